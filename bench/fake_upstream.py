@@ -1,0 +1,190 @@
+"""A fast fake OpenAI-compatible upstream with a fixed token rate, for tests and benchmarks.
+
+It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not)
+with ``max_tokens`` tokens (default 16), after ``ttft_s`` seconds for the first token and
+``itl_s`` between tokens. Per-request overrides ride in the body (the proxy forwards the
+body unchanged): ``"fake": {"ttft_s": 0.5, "itl_s": 0.01, "no_done": true,
+"usage": false, "fail_after": 3, "status": 500}``.
+
+``GET /stats`` returns counters: streams/requests started, completed, aborted (the client
+closed the connection before the end), tokens sent, and how many are active now.
+``POST /stats/reset`` zeroes them. ``GET /v1/models`` lists one model.
+
+Run standalone: ``python -m bench.fake_upstream --port 9000 --itl-s 0.01``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+
+import orjson
+from aiohttp import web
+
+MODEL = "fake-model"
+
+
+@dataclass
+class Stats:
+    """Counters of the fake upstream (all requests, streaming or not)."""
+
+    started: int = 0
+    completed: int = 0
+    aborted: int = 0
+    tokens_sent: int = 0
+    active: int = 0
+    tags: list = field(default_factory=list)  # body "fake.tag" of each request, in start order
+    authorization: list = field(default_factory=list)  # Authorization header of each request
+
+
+@dataclass
+class Timing:
+    """Default timing: ``ttft_s`` before the first token, ``itl_s`` between tokens
+    (seconds)."""
+
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+
+
+STATS = web.AppKey("stats", Stats)
+TIMING = web.AppKey("timing", Timing)
+ABORTED = web.AppKey("aborted_event", object)
+
+
+def _chunk(i: int, created: int, chat: bool, last: bool, n: int, prompt: int, with_usage: bool) -> bytes:
+    if chat:
+        choice = {"index": 0, "delta": {"content": f" t{i}"} if not last else {}, "finish_reason": "length" if last else None}
+        obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [choice]}
+    else:
+        choice = {"index": 0, "text": f" t{i}" if not last else "", "finish_reason": "length" if last else None}
+        obj = {"id": "cmpl-fake", "object": "text_completion", "created": created, "model": MODEL, "choices": [choice]}
+    if last and with_usage:
+        obj["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    stats, timing = request.app[STATS], request.app[TIMING]
+    body = orjson.loads(await request.read())
+    fake = body.get("fake") or {}
+    if "status" in fake:
+        return web.json_response({"error": {"message": "fake failure", "type": "server_error"}}, status=fake["status"])
+    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+    ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", timing.itl_s))
+    fail_after = fake.get("fail_after")
+    prompt = 10
+    created = int(time.time())
+    stats.started += 1
+    stats.active += 1
+    stats.tags.append(fake.get("tag"))
+    stats.authorization.append(request.headers.get("Authorization"))
+    try:
+        if ttft:
+            await asyncio.sleep(ttft)
+        if not body.get("stream"):
+            for _ in range(n):
+                if itl:
+                    await asyncio.sleep(itl)
+            stats.tokens_sent += n
+            text = "".join(f" t{i}" for i in range(n))
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": "length"}
+            resp = web.Response(
+                body=orjson.dumps(
+                    {
+                        "id": "fake",
+                        "object": "chat.completion" if chat else "text_completion",
+                        "created": created,
+                        "model": MODEL,
+                        "choices": [choice],
+                        "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+                    }
+                ),
+                content_type="application/json",
+            )
+            stats.completed += 1
+            return resp
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            if i and itl:
+                await asyncio.sleep(itl)
+            if fail_after is not None and i >= int(fail_after):
+                request.transport.close()  # break the connection mid-stream
+                stats.aborted += 1
+                return resp
+            await resp.write(_chunk(i, created, chat, False, n, prompt, False))
+            stats.tokens_sent += 1
+        await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True)))
+        if not fake.get("no_done"):
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        stats.completed += 1
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        stats.aborted += 1
+        raise
+    finally:
+        stats.active -= 1
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, False)
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(asdict(request.app[STATS]))
+
+
+async def reset(request: web.Request) -> web.Response:
+    s = request.app[STATS]
+    s.started = s.completed = s.aborted = s.tokens_sent = 0
+    s.tags.clear()
+    s.authorization.clear()
+    return web.json_response(asdict(s))
+
+
+def make_app(ttft_s: float = 0.0, itl_s: float = 0.0) -> web.Application:
+    """The fake upstream app (serve it with ``handler_cancellation=True`` so aborts are
+    seen as soon as the client closes)."""
+    app = web.Application()
+    app[STATS] = Stats()
+    app[TIMING] = Timing(ttft_s, itl_s)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/stats/reset", reset)
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=9000)
+    ap.add_argument("--ttft-s", type=float, default=0.0)
+    ap.add_argument("--itl-s", type=float, default=0.0)
+    a = ap.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(make_app(a.ttft_s, a.itl_s), host=a.host, port=a.port, handler_cancellation=True, access_log=None, print=lambda *_: print(f"fake upstream ready on http://{a.host}:{a.port}", flush=True))
+
+
+if __name__ == "__main__":
+    main()

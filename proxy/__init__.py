@@ -1,0 +1,9 @@
+"""The llm-qos proxy: an aiohttp reverse proxy that admits requests through the
+:mod:`qos` scheduler and relays answers from an OpenAI-compatible or LightLLM upstream.
+
+Modules, by job: ``config`` (schema and loading), ``identity`` (who is asking),
+``request_body`` (what is asked), ``admission`` (waiting for a slot), ``upstream``
+(connection pool), ``relay`` (streaming answers back), ``handlers`` (routes),
+``admin`` (``/admin/*``), ``config_watch`` (hot reload), ``metrics`` (Prometheus),
+``app`` (wiring), ``server`` (running), ``cli`` (the ``llm-qos`` command).
+"""

@@ -1,0 +1,95 @@
+"""``/admin/*`` routes: live status, the active config (secrets redacted), reload.
+
+Every admin route needs ``Authorization: Bearer <admin key>`` (``admin.api_key`` or the
+variable named by ``admin.api_key_env``); with no admin key configured they answer 403.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+from aiohttp import web
+
+from .errors import error_response
+from .handlers import STATE
+
+REDACTED = "***"
+
+
+def _authorized(request: web.Request) -> web.Response | None:
+    key = request.app[STATE].active.config.admin.credential()
+    if not key:
+        return error_response(403, "admin routes are disabled: set admin.api_key or LLM_QOS_ADMIN_KEY", code="admin_disabled")
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(), hashlib.sha256(key.encode()).digest()):
+        return error_response(401, "the admin key is required", code="invalid_admin_key")
+    return None
+
+
+def redacted_config(config) -> dict:
+    """The config as a dict with every key and credential replaced by ``***``."""
+    data = config.model_dump(mode="json")
+    for section in ("upstream", "admin"):
+        if data[section].get("api_key"):
+            data[section]["api_key"] = REDACTED
+    for g in data["groups"]:
+        for u in g["users"]:
+            if u.get("api_key"):
+                u["api_key"] = REDACTED
+            if u.get("api_key_sha256"):
+                u["api_key_sha256"] = REDACTED
+    return data
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /admin/status``: queues, in-flight requests and per-user counters."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return web.json_response(request.app[STATE].admission.scheduler.snapshot())
+
+
+async def config(request: web.Request) -> web.Response:
+    """``GET /admin/config``: the active config (secrets redacted), its hash, load time,
+    and the last reload error."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    state = request.app[STATE]
+    active = state.active
+    return web.json_response(
+        {
+            "config": redacted_config(active.config),
+            "hash": active.digest,
+            "loaded_at": active.loaded_at,
+            "age_s": round(time.time() - active.loaded_at, 3),
+            "path": state.config_path,
+            "last_error": state.last_error,
+        }
+    )
+
+
+async def reload(request: web.Request) -> web.Response:
+    """``POST /admin/reload``: re-read the config file now. 200 with the new hash, or
+    400 with the validation error (the old config stays active)."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    reloader = request.app.get(RELOADER)
+    if reloader is None:
+        return error_response(409, "the proxy was not started from a config file", code="no_config_file")
+    ok = reloader()
+    state = request.app[STATE]
+    if not ok:
+        return error_response(400, state.last_error or "reload failed", code="invalid_config")
+    return web.json_response({"status": "reloaded", "hash": state.active.digest})
+
+
+RELOADER = web.AppKey("llm_qos_reloader", object)
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the admin routes on ``app``."""
+    app.router.add_get("/admin/status", status)
+    app.router.add_get("/admin/config", config)
+    app.router.add_post("/admin/reload", reload)

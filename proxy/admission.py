@@ -1,0 +1,100 @@
+"""The asyncio face of the scheduler: wait for a slot, give it back exactly once.
+
+:class:`Admission` owns the :class:`qos.Scheduler`. A request calls :meth:`acquire`,
+which either returns at once, or parks the request on a future that the scheduler's
+``on_admit`` / ``on_refuse`` callbacks resolve. No polling, no threads: waking is driven by
+the events that free capacity (a release, a cancel, a policy change). A queued request
+whose client disconnects is cancelled by aiohttp, and the ``except`` path takes it out of
+the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
+
+
+class Admission:
+    """Admission control for one proxy process.
+
+    Args:
+        policy: the initial scheduler policy.
+        clock: monotonic clock in seconds (the scheduler's).
+    """
+
+    def __init__(self, policy: SchedulerPolicy, clock=time.monotonic) -> None:
+        self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse)
+        self._clock = clock
+
+    @staticmethod
+    def _wake(ticket: Ticket) -> None:
+        fut = ticket.context
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    @staticmethod
+    def _refuse(ticket: Ticket) -> None:
+        fut = ticket.context
+        if fut is not None and not fut.done():
+            fut.set_exception(ticket.refusal)
+
+    async def acquire(self, user_id: str, group: str | None, prompt_tokens: int, max_tokens: int | None) -> Ticket:
+        """Wait until the request may go upstream.
+
+        Args:
+            user_id, group: the caller (group ``None``: the user's configured one).
+            prompt_tokens: estimated prompt length (tokens).
+            max_tokens: the request's output cap (tokens) or ``None``.
+
+        Returns:
+            An ADMITTED ticket; the caller must :meth:`release` it in a ``finally``.
+
+        Raises:
+            Refused: rate limited, queue full, evicted, waited past ``queue_timeout_s``,
+                or shutting down.
+            asyncio.CancelledError: the client went away while queued; the ticket has
+                been removed from the queue (or released, if admission raced the cancel).
+        """
+        sched = self.scheduler
+        ticket = sched.submit(user_id, group, prompt_tokens, max_tokens)
+        if ticket.state is TicketState.ADMITTED:
+            return ticket
+        fut = asyncio.get_running_loop().create_future()
+        ticket.context = fut
+        try:
+            async with asyncio.timeout_at(self._loop_deadline(ticket)):
+                await fut
+        except TimeoutError:
+            if sched.cancel(ticket, RefusalReason.TIMEOUT):
+                raise ticket.refusal from None
+            if ticket.state is TicketState.REFUSED:
+                raise ticket.refusal from None
+            return ticket  # admitted in the same instant the deadline passed
+        except BaseException:
+            if not sched.cancel(ticket) and ticket.state is TicketState.ADMITTED:
+                sched.release(ticket)
+            raise
+        finally:
+            ticket.context = None
+        return ticket
+
+    def _loop_deadline(self, ticket: Ticket) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + max(0.0, ticket.deadline - self._clock())
+
+    def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
+        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`."""
+        return self.scheduler.release(ticket, prompt_tokens, output_tokens)
+
+    def update_policy(self, policy: SchedulerPolicy) -> None:
+        """Swap the policy (hot reload); see :meth:`qos.Scheduler.update_policy`."""
+        self.scheduler.update_policy(policy)
+
+    def close(self) -> None:
+        """Refuse everything queued (503) and every later request."""
+        self.scheduler.close()
+
+
+__all__ = ["Admission", "Refused", "RefusalReason"]

@@ -1,0 +1,67 @@
+"""The aiohttp application: routes, JSON error middleware, startup and cleanup."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from . import admin, handlers
+from .config import Config
+from .errors import error_response
+from .handlers import STATE
+from .state import ProxyState
+from .upstream import Upstream
+
+log = logging.getLogger("llm_qos.proxy")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Answer routing errors (404, 405, 413) and unexpected exceptions with OpenAI-style
+    JSON instead of aiohttp's HTML pages; the process keeps serving."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
+        msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
+        return error_response(e.status, msg, code=code)
+
+
+def create_app(
+    config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | None = None
+) -> web.Application:
+    """Build the proxy application for ``config``.
+
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``,
+    ``POST /generate_stream`` (LightLLM native), ``GET /v1/models``, ``GET /health``,
+    ``GET /ready``, ``GET /metrics``, and ``/admin/*`` (see :mod:`proxy.admin`).
+
+    The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
+    that is how a client's disconnect reaches the handler and aborts the upstream.
+    """
+    app = web.Application(middlewares=[json_errors], client_max_size=config.limits.max_body_bytes)
+    state = ProxyState(config, digest, config_path, upstream_override)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/generate", handlers.generate)
+    app.router.add_post("/generate_stream", handlers.generate_stream)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/metrics", handlers.metrics)
+    admin.add_routes(app)
+
+    async def start_upstream(app: web.Application) -> None:
+        state.upstream = Upstream(state.active.config.upstream)
+
+    async def close_upstream(app: web.Application) -> None:
+        if state.upstream is not None:
+            await state.upstream.close()
+
+    app.on_startup.append(start_upstream)
+    app.on_cleanup.append(close_upstream)
+    return app

@@ -1,0 +1,270 @@
+"""The operator's YAML file: its schema (the one place config keys are defined), loading,
+and translation into the scheduler's :class:`qos.SchedulerPolicy`.
+
+Validation is pydantic v2 with unknown keys forbidden, so a typo is an error that names
+its key path instead of a silently ignored setting. Every default here is the documented
+default (``docs/configuration.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RateLimitConfig(_Model):
+    """Token-bucket limits; omitted means unlimited."""
+
+    requests_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = None
+
+    def to_policy(self) -> RateLimit:
+        return RateLimit(self.requests_per_minute, self.tokens_per_minute)
+
+
+class UpstreamConfig(_Model):
+    """Where requests go.
+
+    ``kind`` selects protocol quirks: ``openai`` (vLLM, SGLang, transformers serve, hosted
+    APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential
+    for the upstream; clients' keys are never forwarded.
+    """
+
+    url: str = "http://127.0.0.1:8001"
+    kind: Literal["openai", "lightllm"] = "openai"
+    api_key: str | None = None
+    api_key_env: str | None = None
+    connect_timeout_s: PositiveFloat = 5.0
+    first_byte_timeout_s: PositiveFloat = 300.0
+    idle_timeout_s: PositiveFloat = 300.0
+    keepalive_timeout_s: PositiveFloat = 4.0
+    max_connections: int = Field(default=0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+    def credential(self) -> str | None:
+        """The upstream API key: ``api_key``, else the variable named by ``api_key_env``."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+
+class AdmissionConfig(_Model):
+    """Capacity and queueing (see :class:`qos.SchedulerPolicy`)."""
+
+    max_inflight: int = Field(default=8, ge=1)
+    max_inflight_tokens: int | None = Field(default=None, ge=1)
+    max_queue: int = Field(default=1000, ge=0)
+    queue_timeout_s: PositiveFloat = 30.0
+    share_window_s: PositiveFloat = 30.0
+
+
+class CostConfig(_Model):
+    """Token cost model for fair sharing (see :class:`qos.CostModel`)."""
+
+    input_weight: float = Field(default=1.0, ge=0)
+    output_weight: float = Field(default=2.0, ge=0)
+    default_max_tokens: int = Field(default=256, ge=1)
+
+
+class IdentityConfig(_Model):
+    """How a request's user is found.
+
+    An ``Authorization: Bearer KEY`` matching a configured key always wins. ``header``
+    (e.g. ``X-User-Id``), when set, names a header a trusted gateway in front sets to
+    the user id; it is off by default because clients could forge it.
+    ``require_api_key`` answers 401 to requests without a known key.
+    """
+
+    header: str | None = None
+    require_api_key: bool = False
+
+
+class AdminConfig(_Model):
+    """Credential for ``/admin/*`` routes (``api_key`` or the variable ``api_key_env``)."""
+
+    api_key: str | None = None
+    api_key_env: str | None = "LLM_QOS_ADMIN_KEY"
+
+    def credential(self) -> str | None:
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+
+class LimitsConfig(_Model):
+    """Request limits enforced before admission."""
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+
+
+class UserConfig(_Model):
+    """One user: id, weight inside its group, optional API key (plain or SHA-256 hex)."""
+
+    id: str = Field(min_length=1)
+    weight: float = Field(default=1.0, ge=0)
+    api_key: str | None = None
+    api_key_sha256: str | None = None
+    rate_limit: RateLimitConfig = RateLimitConfig()
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None:
+            v = v.lower()
+            if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+                raise ValueError("must be 64 hex digits (sha256 of the key)")
+        return v
+
+    def key_digest(self) -> str | None:
+        """SHA-256 hex digest of this user's key, if any."""
+        if self.api_key:
+            return hashlib.sha256(self.api_key.encode()).hexdigest()
+        return self.api_key_sha256
+
+
+class GroupConfig(_Model):
+    """One priority class; groups are listed highest priority first."""
+
+    name: str = Field(min_length=1)
+    users: list[UserConfig] = []
+    max_queue: int | None = Field(default=None, ge=0)
+    min_share: float = Field(default=0.0, ge=0, le=1)
+    rate_limit: RateLimitConfig = RateLimitConfig()
+    default_user_weight: float = Field(default=1.0, ge=0)
+
+
+class Config(_Model):
+    """The whole configuration file."""
+
+    upstream: UpstreamConfig = UpstreamConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    cost: CostConfig = CostConfig()
+    identity: IdentityConfig = IdentityConfig()
+    admin: AdminConfig = AdminConfig()
+    limits: LimitsConfig = LimitsConfig()
+    default_group: str
+    groups: list[GroupConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        names = [g.name for g in self.groups]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"group names must be unique, repeated: {sorted(dup)}")
+        if self.default_group not in names:
+            raise ValueError(f"default_group {self.default_group!r} is not one of the groups {names}")
+        ids = [u.id for g in self.groups for u in g.users]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"user ids must be unique across groups, repeated: {sorted(dup)}")
+        digests = [d for g in self.groups for u in g.users if (d := u.key_digest())]
+        if len(set(digests)) != len(digests):
+            raise ValueError("two users share the same api_key")
+        if sum(g.min_share for g in self.groups) > 1.0:
+            raise ValueError("the min_share of all groups must add up to at most 1")
+        return self
+
+    def to_policy(self) -> SchedulerPolicy:
+        """The scheduler policy this config describes."""
+        users = {
+            u.id: UserPolicy(u.id, g.name, u.weight, u.rate_limit.to_policy()) for g in self.groups for u in g.users
+        }
+        return SchedulerPolicy(
+            groups=tuple(
+                GroupPolicy(g.name, g.max_queue, g.min_share, g.rate_limit.to_policy(), g.default_user_weight)
+                for g in self.groups
+            ),
+            default_group=self.default_group,
+            users=users,
+            max_inflight=self.admission.max_inflight,
+            max_inflight_tokens=self.admission.max_inflight_tokens,
+            max_queue=self.admission.max_queue,
+            queue_timeout_s=self.admission.queue_timeout_s,
+            cost=CostModel(self.cost.input_weight, self.cost.output_weight, self.cost.default_max_tokens),
+            share_window_s=self.admission.share_window_s,
+        )
+
+
+def with_upstream_url(config: Config, url: str | None) -> Config:
+    """``config`` with ``upstream.url`` replaced by ``url`` (the CLI's ``--upstream``);
+    unchanged when ``url`` is ``None``."""
+    if not url:
+        return config
+    return config.model_copy(update={"upstream": config.upstream.model_copy(update={"url": url.rstrip("/")})})
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file, key path and value."""
+
+
+def _format_validation(path: str, err: ValidationError) -> str:
+    lines = [f"{path}: {err.error_count()} error(s)"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"  {loc}: {e['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    """Parse and validate YAML ``text``.
+
+    Raises:
+        ConfigError: syntax error, empty document, or a schema violation (every error
+            with its key path, the bad value and what is allowed).
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if data is None:
+        raise ConfigError(f"{source}: the file is empty")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(source, e)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the YAML file at ``path``. Raises :class:`ConfigError`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    return parse_config(text, str(p))
+
+
+def config_digest(text: str | bytes) -> str:
+    """Short SHA-256 of a config file's bytes, for ``/admin/config``."""
+    if isinstance(text, str):
+        text = text.encode()
+    return hashlib.sha256(text).hexdigest()[:16]

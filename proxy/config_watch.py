@@ -1,0 +1,73 @@
+"""Hot reload: watch the config file's directory, validate, swap atomically.
+
+The watcher (watchfiles, inotify underneath) watches the *directory* that holds the file,
+not the file's inode, so it sees an in-place write, an editor's write-to-temp-then-rename,
+and a Kubernetes ConfigMap update (where the file is a symlink through ``..data``, a
+symlink swapped atomically). Every event in the directory triggers a re-read; a file whose
+bytes did not change is ignored, a file that does not parse or validate changes nothing
+(the old config stays, the error is logged once and counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from .config import ConfigError, config_digest, parse_config
+from .state import ProxyState
+
+log = logging.getLogger("llm_qos.config")
+
+
+def reload_config(state: ProxyState) -> bool:
+    """Re-read ``state.config_path`` and apply it if it is valid and changed.
+
+    Returns:
+        True if the active config is now the file's content (applied, or unchanged);
+        False on any error, which is kept in ``state.last_error``, logged, and counted
+        in ``llm_qos_config_reloads_total{result="error"}``.
+    """
+    path = state.config_path
+    if path is None:
+        return False
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return _failed(state, f"{path}: cannot read: {e}")
+    digest = config_digest(data)
+    if digest == state.active.digest:
+        return True
+    try:
+        config = parse_config(data.decode("utf-8"), path)
+        state.apply(config, digest)
+    except UnicodeDecodeError as e:
+        return _failed(state, f"{path}: not UTF-8: {e}")
+    except (ConfigError, ValueError) as e:
+        return _failed(state, str(e))
+    state.metrics.config_reloads.labels("ok").inc()
+    log.info("config reloaded from %s (hash %s)", path, digest)
+    return True
+
+
+def _failed(state: ProxyState, message: str) -> bool:
+    if message != state.last_error:
+        log.error("config reload failed, keeping the active config (hash %s): %s", state.active.digest, message)
+    state.last_error = message
+    state.metrics.config_reloads.labels("error").inc()
+    return False
+
+
+async def watch_config(state: ProxyState, stop: asyncio.Event, debounce_ms: int = 50) -> None:
+    """Reload the config whenever something changes in its directory, until ``stop``.
+
+    Args:
+        state: the proxy state (its ``config_path`` is watched).
+        stop: set to end the watch.
+        debounce_ms: events closer than this are coalesced (milliseconds).
+    """
+    from watchfiles import awatch
+
+    path = Path(state.config_path).absolute()
+    async for _changes in awatch(path.parent, stop_event=stop, debounce=debounce_ms, step=10, recursive=False):
+        reload_config(state)

@@ -1,0 +1,64 @@
+"""OpenAI-style error bodies: the one function every error response is built by.
+
+Shape (as the OpenAI API answers): ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "overloaded_error",
+    504: "upstream_timeout",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+    """The JSON bytes of an OpenAI-style error."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    retry_after_s: float | None = None,
+) -> web.Response:
+    """An aiohttp response carrying an OpenAI-style error.
+
+    Args:
+        status: HTTP status (4xx/5xx).
+        message: a sentence for people.
+        code: a stable machine-readable code (e.g. ``queue_full``).
+        param: the offending request field, if any.
+        retry_after_s: adds ``Retry-After`` (whole seconds, rounded up, at least 1).
+    """
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return web.Response(
+        status=status,
+        body=error_body(status, message, code, param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """A terminal SSE event for a stream that fails after its headers were sent."""
+    return b"data: " + error_body(502, message, code) + b"\n\n"

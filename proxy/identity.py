@@ -1,0 +1,77 @@
+"""Who is asking: API key or trusted header -> (user, group).
+
+Keys are compared by their SHA-256 digests: the configured keys are hashed once when the
+config loads (or given as digests), the presented key is hashed per request, and the
+lookup is by digest, so timing reveals nothing about a key's characters and the config
+need never hold a key in clear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from .config import Config
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The resolved caller.
+
+    Attributes:
+        user_id: the configured user id for a known key; the header's value for a header
+            identity; ``anonymous`` otherwise (unknown keys included, so made-up keys
+            cannot create unbounded per-user state).
+        group: the user's configured group, or ``None`` (the scheduler then places the
+            user in the default group).
+        authenticated: True when a configured API key matched.
+    """
+
+    user_id: str
+    group: str | None
+    authenticated: bool
+
+
+class IdentityResolver:
+    """Resolves identities under one config (rebuilt on every reload).
+
+    Args:
+        config: the validated config.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._by_digest: dict[str, tuple[str, str]] = {}
+        self._group_of: dict[str, str] = {}
+        for g in config.groups:
+            for u in g.users:
+                self._group_of[u.id] = g.name
+                d = u.key_digest()
+                if d:
+                    self._by_digest[d] = (u.id, g.name)
+        header = config.identity.header
+        self._header = header.lower() if header else None
+        self.require_api_key = config.identity.require_api_key
+
+    def resolve(self, headers) -> Identity:
+        """Resolve the caller from request ``headers`` (a case-insensitive mapping).
+
+        Order: a Bearer key matching a configured user; else the trusted identity header,
+        if configured; else anonymous. Never raises.
+        """
+        auth = headers.get("Authorization")
+        if auth and auth[:7].lower() == "bearer ":
+            key = auth[7:].strip()
+            if key:
+                digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+                hit = self._by_digest.get(digest)
+                if hit is not None:
+                    return Identity(hit[0], hit[1], True)
+        if self._header:
+            uid = headers.get(self._header)
+            if uid:
+                uid = uid.strip()[:128]
+                if uid:
+                    return Identity(uid, self._group_of.get(uid), False)
+        return Identity(ANONYMOUS, None, False)

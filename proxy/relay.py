@@ -1,0 +1,243 @@
+"""Relaying one upstream answer to the client, and counting its tokens on the way.
+
+Streaming: every chunk the upstream sends is written to the client as it arrives, as
+bytes, unparsed (aiohttp's ``write`` waits while the client's socket buffer is full, so a
+slow reader holds back the upstream instead of growing our memory). A light scanner
+follows the SSE event boundaries beside the relay to count output tokens (one event ~
+one token) and to pick up ``usage`` when the upstream reports it; only events that
+mention ``usage`` (OpenAI) or every event of LightLLM's native stream (which carries
+``count_output_tokens`` and ``finished``) are JSON-parsed.
+
+Stream endings (``shared/interop/lightllm.md``, ``shared/interop/cpu-engine.md``):
+
+* OpenAI-style streams from transformers serve and LightLLM end without
+  ``data: [DONE]``; the relay appends it so OpenAI clients end cleanly.
+* LightLLM's native stream ends with an event whose ``finished`` is true; a stream that
+  ends without one is an upstream failure, and the client gets a terminal error event.
+* A connection broken mid-stream also ends with a terminal error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .errors import sse_error_event
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+DONE_EVENT = b"data: [DONE]\n\n"
+STREAM_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Accounting of one request as it is relayed.
+
+    Attributes:
+        arrived_at: loop time (seconds) the request arrived.
+        first_byte_at: loop time the first answer byte was relayed, or ``None``.
+        prompt_tokens: prompt tokens reported by the upstream, or ``None``.
+        output_tokens: output tokens counted or reported so far.
+        outcome: a ``proxy.metrics.OUTCOME_*`` value once known.
+        detail: a short reason for a failure.
+    """
+
+    arrived_at: float
+    first_byte_at: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    outcome: str = ""
+    detail: str = ""
+
+
+class SSEScanner:
+    """Follows SSE events across arbitrary chunk boundaries.
+
+    Args:
+        native: True for LightLLM's native ``/generate_stream`` events.
+
+    Attributes:
+        tokens: output tokens so far (events, or the engine's own count when given).
+        prompt_tokens: from a ``usage`` object, when one was seen.
+        done: ``data: [DONE]`` was seen.
+        finished: a native event with ``finished: true`` was seen.
+        partial: bytes of an unterminated event are pending.
+    """
+
+    __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished")
+
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
+        self._buf = bytearray()
+        self.tokens = 0
+        self.prompt_tokens: int | None = None
+        self.done = False
+        self.finished = False
+
+    @property
+    def partial(self) -> bool:
+        return bool(self._buf.strip())
+
+    def feed(self, chunk: bytes) -> None:
+        """Scan ``chunk``; complete events update the counters."""
+        buf = self._buf
+        buf += chunk
+        start = 0
+        for m in _EVENT_END.finditer(buf):
+            self._event(bytes(buf[start : m.start()]))
+            start = m.end()
+        if start:
+            del buf[:start]
+
+    def _event(self, ev: bytes) -> None:
+        ev = ev.lstrip()
+        if not ev.startswith(b"data:"):
+            return
+        payload = ev[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        if self.native:
+            self._native(payload)
+            return
+        self.tokens += 1
+        if b'"usage"' in payload:
+            try:
+                usage = orjson.loads(payload).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                return
+            if isinstance(usage, dict):
+                self._usage(usage)
+
+    def _usage(self, usage: dict) -> None:
+        out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        if isinstance(out, int):
+            self.tokens = out
+        if isinstance(prompt, int):
+            self.prompt_tokens = prompt
+
+    def _native(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        token = obj.get("token")
+        count = token.get("count_output_tokens") if isinstance(token, dict) else None
+        self.tokens = count if isinstance(count, int) else self.tokens + 1
+        if obj.get("finished") is True:
+            self.finished = True
+
+
+def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
+    """(prompt_tokens, output_tokens) reported in a non-streaming answer, or Nones.
+
+    OpenAI: ``usage.prompt_tokens`` / ``usage.completion_tokens``. LightLLM native
+    ``/generate``: ``count_output_tokens`` (no prompt count).
+    """
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    if native:
+        n = obj.get("count_output_tokens")
+        return None, n if isinstance(n, int) else None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None, None
+    p, o = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (p if isinstance(p, int) else None), (o if isinstance(o, int) else None)
+
+
+_UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    ex: Exchange,
+    on_progress: Callable[[int], None],
+    native: bool = False,
+) -> web.StreamResponse:
+    """Relay an SSE answer chunk by chunk.
+
+    Args:
+        request: the client's request (the response is prepared on it).
+        upstream: the upstream response, status 200, body unread.
+        ex: updated with first-byte time, token counts and the outcome.
+        on_progress: called with the cumulative output token count as it grows.
+        native: LightLLM native stream semantics (see module docstring).
+
+    Returns:
+        The finished stream response. ``ex.outcome`` is ``ok`` or ``upstream_error``.
+
+    Raises:
+        ConnectionResetError, asyncio.CancelledError: the client went away; the caller
+            aborts the upstream.
+    """
+    loop = asyncio.get_running_loop()
+    resp = web.StreamResponse(status=200, headers=STREAM_HEADERS)
+    await resp.prepare(request)
+    scanner = SSEScanner(native)
+    try:
+        async for chunk in upstream.content.iter_any():
+            if ex.first_byte_at is None:
+                ex.first_byte_at = loop.time()
+            await resp.write(chunk)
+            before = scanner.tokens
+            scanner.feed(chunk)
+            if scanner.tokens != before:
+                ex.output_tokens = scanner.tokens
+                on_progress(scanner.tokens)
+    except _UPSTREAM_FAILURES as e:
+        _take_counts(ex, scanner)
+        ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
+        await resp.write(sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken"))
+        return resp
+    _take_counts(ex, scanner)
+    if native and not scanner.finished:
+        ex.outcome, ex.detail = "upstream_error", "native stream ended without finished:true"
+        await resp.write((b"\n\n" if scanner.partial else b"") + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete"))
+        return resp
+    if not native and not scanner.done:
+        await resp.write((b"\n\n" if scanner.partial else b"") + DONE_EVENT)
+    await resp.write_eof()
+    ex.outcome = "ok"
+    return resp
+
+
+def _take_counts(ex: Exchange, scanner: SSEScanner) -> None:
+    ex.output_tokens = scanner.tokens
+    if scanner.prompt_tokens is not None:
+        ex.prompt_tokens = scanner.prompt_tokens
+
+
+async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: bool = False) -> web.Response:
+    """Relay a non-streaming answer whole, with the upstream's status and content type.
+
+    Raises:
+        asyncio.CancelledError: the client went away (the caller aborts the upstream).
+        aiohttp.ClientError, TimeoutError: the upstream failed while sending the body.
+    """
+    body = await upstream.read()
+    ex.first_byte_at = asyncio.get_running_loop().time()
+    if upstream.status == 200:
+        ex.prompt_tokens, out = usage_of(body, native)
+        if out is not None:
+            ex.output_tokens = out
+    ex.outcome = "ok" if upstream.status < 400 else "upstream_error"
+    ctype = upstream.headers.get("Content-Type", "application/json")  # LightLLM /generate sends none
+    return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})

@@ -1,0 +1,89 @@
+"""Running the proxy: listen, watch the config, reload on SIGHUP, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from .admin import RELOADER
+from .app import create_app
+from .config import config_digest, parse_config
+from .config_watch import reload_config, watch_config
+from .handlers import STATE
+
+log = logging.getLogger("llm_qos.proxy")
+
+
+async def serve(
+    config_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    upstream_url: str | None = None,
+    drain_timeout_s: float = 30.0,
+    watch: bool = True,
+) -> None:
+    """Serve the proxy until SIGTERM/SIGINT.
+
+    On a stop signal: stop accepting connections, refuse queued requests (503), let
+    requests in flight finish for up to ``drain_timeout_s`` seconds, then close.
+
+    Raises:
+        ConfigError: the initial config is invalid (nothing starts).
+        OSError: the port cannot be bound.
+    """
+    data = Path(config_path).read_bytes()
+    config = parse_config(data.decode("utf-8", "replace"), config_path)
+    app = create_app(config, config_digest(data), config_path, upstream_url)
+    state = app[STATE]
+    app[RELOADER] = lambda: reload_config(state)
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
+    print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
+    watcher = asyncio.create_task(watch_config(state, stop)) if watch else None
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping: refusing queued requests, draining in-flight ones (up to %g s)", drain_timeout_s)
+        state.draining = True
+        state.admission.close()
+        if watcher is not None:
+            watcher.cancel()
+        await runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout
+        log.info("proxy stopped")
+
+
+def run(config_path: str, host: str, port: int, upstream_url: str | None = None) -> int:
+    """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
+    from .config import ConfigError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        runner = asyncio.run
+    try:
+        runner(serve(config_path, host, port, upstream_url))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,73 @@
+"""The live state of one proxy process and the atomic config swap."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .admission import Admission
+from .config import Config, with_upstream_url
+from .identity import IdentityResolver
+from .metrics import Metrics
+from .upstream import Upstream
+
+
+@dataclass(slots=True)
+class ActiveConfig:
+    """One whole config as requests see it: read once per request, so a request never
+    mixes two configs.
+
+    Attributes:
+        config: the validated config.
+        identity: resolver built from it.
+        digest: short SHA-256 of the file's bytes ("" when not from a file).
+        loaded_at: wall-clock time (Unix seconds) it became active.
+    """
+
+    config: Config
+    identity: IdentityResolver
+    digest: str = ""
+    loaded_at: float = field(default_factory=time.time)
+
+
+class ProxyState:
+    """Everything a request handler needs, held on the aiohttp app.
+
+    Args:
+        config: the initial config.
+        digest: its file's hash, if loaded from a file.
+        config_path: the file it came from (for reloads), or ``None``.
+        upstream_override: an upstream URL that replaces the file's on every load
+            (the CLI's ``--upstream``).
+    """
+
+    def __init__(
+        self, config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | None = None
+    ) -> None:
+        self.upstream_override = upstream_override
+        config = with_upstream_url(config, upstream_override)
+        self.active = ActiveConfig(config, IdentityResolver(config), digest)
+        self.config_path = config_path
+        self.admission = Admission(config.to_policy())
+        self.metrics = Metrics(lambda: self.admission.scheduler)
+        self.upstream: Upstream | None = None  # created on startup, inside the loop
+        self.last_error: str | None = None
+        self.draining = False
+
+    def apply(self, config: Config, digest: str = "") -> None:
+        """Make ``config`` the active one, atomically (one reference swap, no await).
+
+        The scheduler keeps its fairness counters, rate-limit buckets, queue and
+        requests in flight (:meth:`qos.Scheduler.update_policy`).
+
+        Raises:
+            ValueError: the config is inconsistent as a scheduler policy (nothing changes).
+        """
+        config = with_upstream_url(config, self.upstream_override)
+        policy = config.to_policy()
+        identity = IdentityResolver(config)
+        self.admission.update_policy(policy)
+        if self.upstream is not None:
+            self.upstream.reconfigure(config.upstream)
+        self.active = ActiveConfig(config, identity, digest)
+        self.last_error = None

@@ -1,0 +1,110 @@
+"""The upstream connection pool and how one request is opened on it.
+
+One pooled ``aiohttp.ClientSession`` per proxy process, keep-alive shorter than the
+engine's (LightLLM closes idle connections after 5 s, ``shared/interop/lightllm.md``).
+Aborting an upstream generation = closing its connection (``ClientResponse.close()``),
+never returning it to the pool: engines abort a request when its connection drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from .config import UpstreamConfig
+
+_RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or did not answer in time.
+
+    Attributes:
+        status: the HTTP status to answer the client (502 or 504).
+        code: a stable error code (``upstream_unreachable``, ``upstream_timeout``, ...).
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class Upstream:
+    """The pool of connections to one upstream base URL.
+
+    Args:
+        config: the ``upstream`` section (URL, credential, timeouts, pool size).
+
+    Create it inside a running event loop; :meth:`close` it on shutdown.
+    """
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        connector = aiohttp.TCPConnector(
+            limit=config.max_connections,
+            keepalive_timeout=config.keepalive_timeout_s,
+            ttl_dns_cache=300,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=config.idle_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    def reconfigure(self, config: UpstreamConfig) -> None:
+        """Use a new ``upstream`` section for requests opened from now on (URL,
+        credential, timeouts); pool sizing changes need a restart."""
+        self.config = config
+
+    def _headers(self, config: UpstreamConfig) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        key = config.credential()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    async def open(self, method: str, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
+        """Send one request and wait for the upstream's status line and headers.
+
+        A connection reset before any response (a stale pooled connection) is retried
+        once on a fresh connection.
+
+        Args:
+            method: ``GET`` or ``POST``.
+            path: path with leading slash, appended to the upstream URL.
+            body: bytes to send (the client's body, unchanged).
+
+        Returns:
+            The response with its body unread; the caller must ``close()`` (abort) or
+            ``release()`` (done) it.
+
+        Raises:
+            UpstreamError: 502 refused / reset / DNS, 504 no headers within
+                ``first_byte_timeout_s``.
+        """
+        config = self.config
+        url = config.url + path
+        headers = self._headers(config)
+        for attempt in (0, 1):
+            try:
+                async with asyncio.timeout(config.first_byte_timeout_s):
+                    return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False)
+            except TimeoutError:
+                raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {config.first_byte_timeout_s:g} s") from None
+            except aiohttp.ClientConnectorError as e:
+                raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
+            except _RETRYABLE as e:
+                if attempt == 0:
+                    continue
+                raise UpstreamError(502, "upstream_disconnected", f"the upstream closed the connection: {e}") from None
+            except aiohttp.ClientError as e:
+                raise UpstreamError(502, "upstream_error", f"upstream request failed: {e}") from None
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        """Close every pooled connection."""
+        await self.session.close()

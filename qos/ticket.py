@@ -1,0 +1,83 @@
+"""A request's handle inside the scheduler, and the reasons a request is refused."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TicketState(enum.Enum):
+    """Life of a ticket: QUEUED -> ADMITTED -> RELEASED, or QUEUED -> REFUSED."""
+
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+    REFUSED = "refused"
+
+
+class RefusalReason(enum.Enum):
+    """Why a request was not (or no longer) served. The value is the wire-level code."""
+
+    QUEUE_FULL = "queue_full"
+    GROUP_QUEUE_FULL = "group_queue_full"
+    TIMEOUT = "queue_timeout"
+    RATE_LIMITED = "rate_limited"
+    EVICTED = "evicted"
+    CANCELLED = "client_cancelled"
+    SHUTDOWN = "shutting_down"
+
+
+class Refused(Exception):
+    """A request was refused admission.
+
+    Attributes:
+        reason: the :class:`RefusalReason`.
+        retry_after_s: seconds after which a retry may succeed (for ``Retry-After``).
+        detail: a human-readable sentence for the error body.
+    """
+
+    def __init__(self, reason: RefusalReason, retry_after_s: float, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.detail = detail
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request as the scheduler sees it. Identity-compared; created by the scheduler.
+
+    Attributes:
+        seq: arrival order, unique per scheduler.
+        user_id, group: who asked, and the priority class it is queued in.
+        prompt_tokens: estimated prompt length (tokens).
+        max_output_tokens: output tokens assumed at admission (the request's
+            ``max_tokens`` or the cost model's default).
+        enqueued_at, admitted_at: clock readings (seconds).
+        deadline: clock reading after which a queued ticket times out.
+        charged: cost (token units, before division by the user's weight) charged so far.
+        output_tokens: output tokens reported so far.
+        state: see :class:`TicketState`.
+        refusal: set when the state is REFUSED.
+        context: free slot for the caller (the proxy keeps its wake-up future here).
+    """
+
+    seq: int
+    user_id: str
+    group: str
+    prompt_tokens: int
+    max_output_tokens: int
+    enqueued_at: float
+    deadline: float
+    admitted_at: float | None = None
+    charged: float = 0.0
+    output_tokens: int = 0
+    state: TicketState = TicketState.QUEUED
+    refusal: Refused | None = None
+    context: Any = field(default=None, repr=False)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens this request may occupy upstream (prompt + max output)."""
+        return self.prompt_tokens + self.max_output_tokens

@@ -1,0 +1,97 @@
+"""Admission through the real proxy: priority, weights, bounds, timeouts, identity."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from tests.conftest import base_config, wait_until
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict, **headers: str) -> tuple[int, dict, dict]:
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+async def test_platinum_queued_after_bronze_is_admitted_first(make_stack, http):
+    st = await make_stack(max_inflight=1)
+    sched = st.state.admission.scheduler
+    url = st.proxy_url
+    busy = asyncio.create_task(_post(http, url, st.chat_body(3, itl_s=0.2, tag="busy")))
+    await wait_until(lambda: st.stats.started == 1, what="slot busy")
+    bronze = []
+    for i in range(3):
+        bronze.append(asyncio.create_task(_post(http, url, st.chat_body(1, tag=f"bronze{i}"), **{"X-User-Id": f"b{i}"})))
+        await wait_until(lambda: sched.queued == i + 1, what="bronze queued")
+    plat = asyncio.create_task(_post(http, url, st.chat_body(1, tag="platinum"), Authorization="Bearer sk-alice"))
+    await wait_until(lambda: sched.queued == 4, what="platinum queued")
+    results = await asyncio.gather(busy, *bronze, plat)
+    assert all(status == 200 for status, _, _ in results)
+    assert st.stats.tags[:2] == ["busy", "platinum"]
+    assert sorted(st.stats.tags[2:]) == ["bronze0", "bronze1", "bronze2"]
+
+
+async def test_users_share_by_weight_in_tokens(make_stack, http):
+    """alice (3) and bob (1) in platinum, both backlogged with equal requests: alice is
+    dispatched ~3x as often while both wait."""
+    st = await make_stack(max_inflight=1)
+    sched = st.state.admission.scheduler
+    busy = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=0.2, tag="busy")))
+    await wait_until(lambda: st.stats.started == 1, what="slot busy")
+    tasks = []
+    for i in range(12):
+        tasks.append(asyncio.create_task(_post(http, st.proxy_url, st.chat_body(8, tag="alice"), Authorization="Bearer sk-alice")))
+        tasks.append(asyncio.create_task(_post(http, st.proxy_url, st.chat_body(8, tag="bob"), **{"X-User-Id": "bob"})))
+    await wait_until(lambda: sched.queued == 24, what="all queued")
+    await asyncio.gather(busy, *tasks)
+    first = st.stats.tags[1:13]  # the first 12 dispatched while both were backlogged
+    assert first.count("alice") == 9 and first.count("bob") == 3
+
+
+async def test_queue_full_is_429_with_retry_after(make_stack, http):
+    st = await make_stack(max_inflight=1, max_queue=2)
+    sched = st.state.admission.scheduler
+    busy = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=0.3)))
+    await wait_until(lambda: st.stats.started == 1, what="slot busy")
+    queued = [asyncio.create_task(_post(http, st.proxy_url, st.chat_body(1))) for _ in range(2)]
+    await wait_until(lambda: sched.queued == 2, what="queue full")
+    status, headers, body = await _post(http, st.proxy_url, st.chat_body(1))
+    assert status == 429
+    assert int(headers["Retry-After"]) >= 1
+    assert body["error"]["code"] == "queue_full"
+    assert [s for s, _, _ in await asyncio.gather(busy, *queued)] == [200, 200, 200]
+
+
+async def test_higher_priority_evicts_lowest_when_queue_full(make_stack, http):
+    st = await make_stack(max_inflight=1, max_queue=1)
+    sched = st.state.admission.scheduler
+    busy = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=0.3)))
+    await wait_until(lambda: st.stats.started == 1, what="slot busy")
+    low = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(1, tag="low")))
+    await wait_until(lambda: sched.queued == 1, what="bronze queued")
+    high = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(1, tag="high"), Authorization="Bearer sk-alice"))
+    status, headers, body = await low
+    assert status == 503 and body["error"]["code"] == "evicted" and "Retry-After" in headers
+    assert (await high)[0] == 200 and (await busy)[0] == 200
+    assert st.stats.tags[1:] == ["high"]
+
+
+async def test_queue_timeout_is_429(make_stack, http):
+    st = await make_stack(max_inflight=1, queue_timeout_s=0.3)
+    busy = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=1.0)))
+    await wait_until(lambda: st.stats.started == 1, what="slot busy")
+    status, headers, body = await _post(http, st.proxy_url, st.chat_body(1))
+    assert status == 429 and body["error"]["code"] == "queue_timeout" and int(headers["Retry-After"]) >= 1
+    assert st.state.admission.scheduler.queued == 0
+    assert (await busy)[0] == 200
+
+
+async def test_require_api_key_answers_401(make_stack, http, aiohttp_server):
+    cfg = base_config("http://127.0.0.1:1")
+    cfg["identity"] = {"require_api_key": True}
+    st = await make_stack(config=cfg)
+    status, _, body = await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer sk-wrong")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    status, _, _ = await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer sk-carl")
+    assert status == 200
