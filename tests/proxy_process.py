@@ -1,0 +1,62 @@
+"""Start the real proxy as its own process (``python -m proxy proxy ...``) for tests."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_MARK = "llm-qos proxy ready on "
+
+
+def start_proxy(config_path: Path, port: int, upstream: str | None = None, timeout_s: float = 30.0) -> subprocess.Popen:
+    """Start the proxy on 127.0.0.1:``port`` and wait for its ready line.
+
+    Returns the process; ``process.log_path`` is its stderr log. Raises RuntimeError if it
+    exits or is not ready within ``timeout_s`` seconds.
+    """
+    log = tempfile.NamedTemporaryFile(prefix=f"proxy-{port}-", suffix=".log", delete=False)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config_path), "--host", "127.0.0.1", "--port", str(port)]
+    if upstream:
+        cmd += ["--upstream", upstream]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
+    proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stop_proxy(proc)
+                raise RuntimeError(f"proxy not ready in {timeout_s} s: {proc.log_path.read_text()[-3000:]}")
+            if not sel.select(remaining):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait()
+                raise RuntimeError(f"proxy exited with {proc.returncode}: {proc.log_path.read_text()[-3000:]}")
+            if line.startswith(READY_MARK):
+                return proc
+
+
+def stop_proxy(proc: subprocess.Popen, grace_s: float = 40.0) -> int:
+    """SIGTERM the proxy and wait for it (SIGKILL after ``grace_s``). Returns its status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
