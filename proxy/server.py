@@ -67,7 +67,7 @@ async def serve(
         log.info("proxy stopped")
 
 
-def run(config_path: str, host: str, port: int, upstream_url: str | None = None) -> int:
+def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True) -> int:
     """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
     from .config import ConfigError
 
@@ -79,7 +79,7 @@ def run(config_path: str, host: str, port: int, upstream_url: str | None = None)
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
     try:
-        runner(serve(config_path, host, port, upstream_url))
+        runner(serve(config_path, host, port, upstream_url, watch=watch))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

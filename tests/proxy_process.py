@@ -15,18 +15,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_MARK = "llm-qos proxy ready on "
 
 
-def start_proxy(config_path: Path, port: int, upstream: str | None = None, timeout_s: float = 30.0) -> subprocess.Popen:
+def start_proxy(
+    config_path: Path, port: int, upstream: str | None = None, timeout_s: float = 30.0, extra_args: list[str] | None = None, env: dict | None = None
+) -> subprocess.Popen:
     """Start the proxy on 127.0.0.1:``port`` and wait for its ready line.
 
     Returns the process; ``process.log_path`` is its stderr log. Raises RuntimeError if it
     exits or is not ready within ``timeout_s`` seconds.
     """
     log = tempfile.NamedTemporaryFile(prefix=f"proxy-{port}-", suffix=".log", delete=False)
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config_path), "--host", "127.0.0.1", "--port", str(port)]
     if upstream:
         cmd += ["--upstream", upstream]
+    cmd += extra_args or []
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
     log.close()
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
