@@ -1,0 +1,258 @@
+"""Run the engine as a child process: wait until ready, restart on crash, stop on signals.
+
+Life cycle of :meth:`Supervisor.run`:
+
+1. start the child with :func:`asyncio.create_subprocess_exec` in its own session/process
+   group (so a terminal's Ctrl-C reaches it only through us, and its own children — LightLLM
+   forks router/detokenizer/model processes — are stopped with it);
+2. wait for readiness (:func:`engine_server.readiness.wait_ready`), log "ready in N s" and call
+   ``on_ready``;
+3. wait for either the child's exit or a stop request:
+   * stop request (SIGTERM/SIGINT via :meth:`Supervisor.install_signal_handlers`, or
+     :meth:`Supervisor.request_stop`): send the same signal to the child's process group, wait
+     up to ``grace_s``, then SIGKILL the group. ``run`` returns 0.
+   * the child exits on its own (whatever its code, it is never supposed to): a crash. The
+     process group is SIGKILLed to reap stragglers, then the child is restarted after a backoff
+     (1 s doubling to 30 s by default, reset once a child stayed up ``crash_window_s``), unless
+     ``crash_limit`` crashes happened within ``crash_window_s``: then it gives up and ``run``
+     returns :data:`EXIT_GAVE_UP`.
+   * not ready within ``ready_timeout_s``, or the probe is rejected: the child is stopped and
+     ``run`` returns :data:`EXIT_NOT_READY` (restarting would not fix a model that is too slow
+     to load or a wrong configuration).
+
+Times are seconds. The clock and all delays are constructor knobs so tests can run real tiny
+child processes (``python -c "import sys; sys.exit(3)"``) quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .readiness import EngineExitedError, Probe, ProbeRejectedError, wait_ready
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_GAVE_UP = 3  # crash loop
+EXIT_NOT_READY = 4  # readiness timeout / probe rejected
+
+
+@dataclass
+class RestartPolicy:
+    """Restart and shutdown knobs, in seconds.
+
+    Attributes:
+        initial_backoff_s: delay before the first restart after a crash.
+        max_backoff_s: cap of the doubling backoff.
+        crash_limit: give up at this many crashes within ``crash_window_s``.
+        crash_window_s: sliding window for ``crash_limit``; a child that stayed up this long
+            also resets the backoff to ``initial_backoff_s``.
+        grace_s: time between the forwarded SIGTERM/SIGINT and SIGKILL.
+    """
+
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    crash_limit: int = 5
+    crash_window_s: float = 60.0
+    grace_s: float = 10.0
+
+
+@dataclass
+class SupervisorStats:
+    """What happened, for logs and tests: starts, exit codes of crashed children, backoffs
+    used (seconds), ready times (seconds from start to ready)."""
+
+    starts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    backoffs: list[float] = field(default_factory=list)
+    ready_times: list[float] = field(default_factory=list)
+
+
+class Supervisor:
+    """Supervise one engine child process. See the module docstring for the life cycle.
+
+    Args:
+        argv: child command line.
+        env: child environment (default: inherit).
+        probe: readiness probe; None means "ready as soon as started".
+        ready_timeout_s: readiness deadline per start.
+        policy: :class:`RestartPolicy`.
+        on_ready: called with the seconds from start to ready, on every (re)start that got ready.
+        clock: monotonic clock in seconds (crash window and measurements).
+        name: label used in log lines.
+        stdout_to_stderr: send the child's stdout to our stderr (default), so our stdout
+            carries only what the caller prints (the "engine ready at ..." line) and a caller
+            reading it through a pipe can never block the engine's access log.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        probe: Probe | None = None,
+        ready_timeout_s: float = 300.0,
+        policy: RestartPolicy | None = None,
+        on_ready: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "engine",
+        stdout_to_stderr: bool = True,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.cwd = cwd
+        self.env = dict(env) if env is not None else None
+        self.probe = probe
+        self.ready_timeout_s = ready_timeout_s
+        self.policy = policy or RestartPolicy()
+        self.on_ready = on_ready
+        self.clock = clock
+        self.name = name
+        self.stdout_to_stderr = stdout_to_stderr
+        self.stats = SupervisorStats()
+        self.process: asyncio.subprocess.Process | None = None
+        self._stop = asyncio.Event()
+        self._stop_signal = signal.SIGTERM
+        self._crashes: deque[float] = deque()
+
+    # ----- control -----
+
+    def request_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Ask :meth:`run` to stop the child (with ``sig``, then SIGKILL after the grace) and return."""
+        if not self._stop.is_set():
+            log.info("%s: stop requested (%s)", self.name, signal.Signals(sig).name)
+            self._stop_signal = signal.Signals(sig)
+            self._stop.set()
+
+    def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Route SIGTERM and SIGINT of this process to :meth:`request_stop` (Unix only)."""
+        loop = loop or asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig)
+
+    # ----- main loop -----
+
+    async def run(self) -> int:
+        """Supervise until stopped (returns :data:`EXIT_OK`) or given up (non-zero)."""
+        backoff = self.policy.initial_backoff_s
+        while not self._stop.is_set():
+            started = self.clock()
+            proc = await self._spawn()
+            exited = asyncio.ensure_future(proc.wait())
+            try:
+                code = await self._supervise_one(proc, exited, started)
+            finally:
+                if not exited.done():  # cancelled from outside: never leave the child behind
+                    await asyncio.shield(self._terminate(proc, exited))
+            if code is not None:
+                return code
+            if self._stop.is_set():
+                break
+            # The child exited on its own: a crash.
+            now = self.clock()
+            uptime = now - started
+            self.stats.exit_codes.append(proc.returncode)
+            log.warning("%s: exited with code %s after %.1f s", self.name, proc.returncode, uptime)
+            self._kill_group(proc.pid, signal.SIGKILL)  # stragglers of a dead leader
+            if uptime >= self.policy.crash_window_s:
+                backoff = self.policy.initial_backoff_s
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
+                self._crashes.popleft()
+            if len(self._crashes) >= self.policy.crash_limit:
+                log.error(
+                    "%s: giving up: %d crashes within %.0f s",
+                    self.name, len(self._crashes), self.policy.crash_window_s,
+                )
+                return EXIT_GAVE_UP
+            log.info("%s: restart in %.1f s", self.name, backoff)
+            self.stats.backoffs.append(backoff)
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=backoff)
+            except TimeoutError:
+                pass
+            backoff = min(backoff * 2, self.policy.max_backoff_s)
+        log.info("%s: stopped", self.name)
+        return EXIT_OK
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        self.stats.starts += 1
+        log.info("%s: start #%d: %s", self.name, self.stats.starts, " ".join(self.argv))
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=2 if self.stdout_to_stderr else None,  # fd 2: the OS-level stderr
+            start_new_session=True,
+        )
+        self.process = proc
+        log.info("%s: pid %d", self.name, proc.pid)
+        return proc
+
+    async def _supervise_one(
+        self, proc: asyncio.subprocess.Process, exited: asyncio.Future, started: float
+    ) -> int | None:
+        """Watch one child. Returns an exit code for :meth:`run` to return, or None when
+        the child crashed (run decides about restarting) or a stop was requested and done."""
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        try:
+            if self.probe is not None:
+                ready = asyncio.ensure_future(wait_ready(self.probe, self.ready_timeout_s, exited))
+                await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not ready.done():  # stop requested while starting
+                    ready.cancel()
+                    await asyncio.gather(ready, return_exceptions=True)
+                    await self._terminate(proc, exited)
+                    return None
+                try:
+                    ready.result()
+                except EngineExitedError:
+                    return None  # crash before ready
+                except (TimeoutError, ProbeRejectedError) as exc:
+                    log.error("%s: not ready: %s", self.name, exc)
+                    await self._terminate(proc, exited)
+                    return EXIT_NOT_READY
+            took = self.clock() - started
+            self.stats.ready_times.append(took)
+            log.info("%s: ready in %.1f s", self.name, took)
+            if self.on_ready is not None:
+                self.on_ready(took)
+            await asyncio.wait({exited, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done():
+                await self._terminate(proc, exited)
+            return None
+        finally:
+            stop_wait.cancel()
+
+    # ----- stopping -----
+
+    async def _terminate(self, proc: asyncio.subprocess.Process, exited: asyncio.Future) -> None:
+        """Forward the stop signal to the child's group, SIGKILL it after the grace period."""
+        sig = self._stop_signal
+        if not exited.done():
+            log.info("%s: sending %s to pid %d (grace %.1f s)", self.name, sig.name, proc.pid, self.policy.grace_s)
+            self._kill_group(proc.pid, sig)
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), timeout=self.policy.grace_s)
+            except TimeoutError:
+                log.warning("%s: still running after %.1f s: SIGKILL", self.name, self.policy.grace_s)
+                self._kill_group(proc.pid, signal.SIGKILL)
+                await exited
+        log.info("%s: pid %d exited with code %s", self.name, proc.pid, proc.returncode)
+        self._kill_group(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+
+    @staticmethod
+    def _kill_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,118 @@
+"""Start the real CPU engine for tests: ``python -m engine_server --backend cpu --port P``.
+
+Use :func:`start_cpu_engine` directly, or the session-scoped :func:`cpu_engine` fixture
+(import it into a conftest.py: ``from tests.engine_fixture import cpu_engine  # noqa: F401``).
+
+The first start converts the model (~25-60 s, cached under ``$LLM_QOS_CACHE`` or
+``~/.cache/llm-qos``); later starts take ~6-10 s on a 2-core machine. The engine's own logs go to
+a temporary log file (its path is ``process.log_path``); stdout carries only the ready line.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_MARK = "engine ready at "
+DEFAULT_START_TIMEOUT_S = 300.0  # includes a first-time model conversion
+DEFAULT_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def start_cpu_engine(
+    port: int,
+    *,
+    timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    extra_args: list[str] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start the CPU engine on 127.0.0.1:``port`` and wait for its "engine ready at" line.
+
+    Returns:
+        ``(process, base_url)``; ``process.ready_line`` holds the line (``model=`` in it is the
+        name to use in requests), ``process.log_path`` the engine's log file.
+
+    Raises:
+        RuntimeError: the engine exited or did not get ready within ``timeout_s`` (log tail included).
+    """
+    log_file = tempfile.NamedTemporaryFile(prefix=f"engine-{port}-", suffix=".log", delete=False)
+    log_path = Path(log_file.name)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "engine_server", "--backend", "cpu", "--host", "127.0.0.1",
+           "--port", str(port), *(extra_args or [])]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=log_file, text=True, bufsize=1,
+    )
+    log_file.close()
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stop_engine(proc)
+                raise RuntimeError(f"engine not ready in {timeout_s} s; log:\n{_tail(log_path)}")
+            if not sel.select(remaining):
+                continue
+            line = proc.stdout.readline()
+            if not line:  # EOF: the engine process exited
+                proc.wait()
+                raise RuntimeError(f"engine exited with {proc.returncode}; log:\n{_tail(log_path)}")
+            if line.startswith(READY_MARK):
+                proc.ready_line = line.strip()  # type: ignore[attr-defined]
+                return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_engine(proc: subprocess.Popen, grace_s: float = DEFAULT_GRACE_S) -> int:
+    """SIGTERM the engine launcher and wait up to ``grace_s`` + 5 s; SIGKILL it after that.
+
+    Returns its exit status (0 = clean stop). The log file is removed after a clean stop."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    log_path = getattr(proc, "log_path", None)
+    if proc.returncode == 0 and log_path is not None:
+        Path(log_path).unlink(missing_ok=True)
+    return proc.returncode
+
+
+@pytest.fixture(scope="session")
+def cpu_engine() -> Iterator[tuple[subprocess.Popen, str]]:
+    """Session-wide real CPU engine: yields ``(process, base_url)``; stopped at the end."""
+    proc, base_url = start_cpu_engine(free_port())
+    try:
+        yield proc, base_url
+    finally:
+        stop_engine(proc)
