@@ -17,9 +17,14 @@ log = logging.getLogger("llm_qos.proxy")
 
 
 @web.middleware
-async def json_errors(request: web.Request, handler):
-    """Answer routing errors (404, 405, 413) and unexpected exceptions with OpenAI-style
-    JSON instead of aiohttp's HTML pages; the process keeps serving."""
+async def guard(request: web.Request, handler):
+    """Cap the requests handled at once (``limits.max_concurrent_requests``: 503 beyond),
+    and answer routing errors (404, 405, 413) with OpenAI-style JSON instead of aiohttp's
+    HTML pages; the process keeps serving."""
+    state = request.app[STATE]
+    if state.open_requests >= state.active.config.limits.max_concurrent_requests:
+        return error_response(503, "too many concurrent requests", code="too_many_requests", retry_after_s=1)
+    state.open_requests += 1
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -28,6 +33,8 @@ async def json_errors(request: web.Request, handler):
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
         msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
         return error_response(e.status, msg, code=code)
+    finally:
+        state.open_requests -= 1
 
 
 def create_app(
@@ -42,7 +49,7 @@ def create_app(
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
     that is how a client's disconnect reaches the handler and aborts the upstream.
     """
-    app = web.Application(middlewares=[json_errors], client_max_size=config.limits.max_body_bytes)
+    app = web.Application(middlewares=[guard], client_max_size=config.limits.max_body_bytes)
     state = ProxyState(config, digest, config_path, upstream_override)
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)

@@ -35,12 +35,40 @@ class RateLimitConfig(_Model):
         return RateLimit(self.requests_per_minute, self.tokens_per_minute)
 
 
+class LoadSignalConfig(_Model):
+    """Hold new admissions while the engine reports itself saturated (:mod:`proxy.load_signal`).
+
+    ``enabled``: ``auto`` (default) polls ``GET /token_load`` on a ``lightllm`` upstream and
+    ``GET /metrics`` on an ``openai`` one, and stops polling when that has no vLLM or
+    SGLang load metrics (hosted APIs, transformers serve); ``true`` keeps re-probing every
+    30 s and warns; ``false`` never polls. ``interval_s`` (0.5): seconds between polls.
+    ``saturated_at`` (0.95): the KV-cache fraction in use or reserved at which the engine
+    counts as saturated. ``queue_at`` (1): requests waiting inside the engine (vLLM,
+    SGLang) at which it counts as saturated; 0 ignores them. ``stale_after_s`` (3.0): a
+    reading older than this is ignored, and admission falls back to
+    ``admission.max_inflight``; it must exceed ``interval_s``.
+    """
+
+    enabled: Literal["auto"] | bool = "auto"
+    interval_s: float = Field(default=0.5, ge=0.05, le=60)
+    saturated_at: float = Field(default=0.95, gt=0, le=1)
+    queue_at: int = Field(default=1, ge=0)
+    stale_after_s: PositiveFloat = 3.0
+
+    @model_validator(mode="after")
+    def _stale_after_interval(self) -> "LoadSignalConfig":
+        if self.stale_after_s <= self.interval_s:
+            raise ValueError(f"stale_after_s ({self.stale_after_s:g}) must be greater than interval_s ({self.interval_s:g})")
+        return self
+
+
 class UpstreamConfig(_Model):
     """Where requests go.
 
     ``kind`` selects protocol quirks: ``openai`` (vLLM, SGLang, transformers serve, hosted
     APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential
-    for the upstream; clients' keys are never forwarded.
+    for the upstream; clients' keys are never forwarded. ``load_signal``: see
+    :class:`LoadSignalConfig`.
     """
 
     url: str = "http://127.0.0.1:8001"
@@ -52,6 +80,7 @@ class UpstreamConfig(_Model):
     idle_timeout_s: PositiveFloat = 300.0
     keepalive_timeout_s: PositiveFloat = 4.0
     max_connections: int = Field(default=0, ge=0)
+    load_signal: LoadSignalConfig = LoadSignalConfig()
 
     @field_validator("url")
     @classmethod
@@ -115,9 +144,19 @@ class AdminConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    """Request limits enforced before admission."""
+    """Request limits enforced before admission.
+
+    ``max_tokens_action`` says what happens to a request whose ``max_tokens`` exceeds its
+    group's ``max_tokens`` cap: ``clamp`` lowers it to the cap, ``reject`` answers 400.
+    ``max_concurrent_requests`` caps the client requests the process handles at once
+    (beyond: 503 at once). ``client_write_timeout_s`` drops a client that has not read
+    the stream for that long (its upstream request is aborted).
+    """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_tokens_action: Literal["clamp", "reject"] = "clamp"
+    max_concurrent_requests: int = Field(default=20000, ge=1)
+    client_write_timeout_s: PositiveFloat = 60.0
 
 
 class UserConfig(_Model):
@@ -146,7 +185,10 @@ class UserConfig(_Model):
 
 
 class GroupConfig(_Model):
-    """One priority class; groups are listed highest priority first."""
+    """One priority class; groups are listed highest priority first.
+
+    ``max_tokens`` caps the output a request of this group may ask for (see
+    ``limits.max_tokens_action``)."""
 
     name: str = Field(min_length=1)
     users: list[UserConfig] = []
@@ -154,6 +196,7 @@ class GroupConfig(_Model):
     min_share: float = Field(default=0.0, ge=0, le=1)
     rate_limit: RateLimitConfig = RateLimitConfig()
     default_user_weight: float = Field(default=1.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
 
 
 class Config(_Model):
@@ -186,6 +229,13 @@ class Config(_Model):
         if sum(g.min_share for g in self.groups) > 1.0:
             raise ValueError("the min_share of all groups must add up to at most 1")
         return self
+
+    def group(self, name: str) -> GroupConfig:
+        """The group called ``name``. Raises KeyError."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
 
     def to_policy(self) -> SchedulerPolicy:
         """The scheduler policy this config describes."""

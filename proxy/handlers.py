@@ -29,7 +29,7 @@ from qos import RefusalReason, Refused
 from . import metrics as m
 from .errors import error_response
 from .relay import Exchange, relay_body, relay_stream
-from .request_body import BadRequest, ParsedRequest, parse_chat, parse_completion, parse_generate
+from .request_body import BadRequest, ParsedRequest, cap_max_tokens, parse_chat, parse_completion, parse_generate
 from .state import ProxyState
 from .upstream import UpstreamError
 
@@ -55,28 +55,32 @@ async def handle_generation(
     ex = Exchange(arrived_at=loop.time())
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(413, f"the body exceeds {e.max_size} bytes", code="body_too_large")
-    try:
-        parsed = parse(raw)
-    except BadRequest as e:
-        state.metrics.requests.labels("", m.OUTCOME_BAD_REQUEST).inc()
-        return error_response(400, e.message, code="invalid_request", param=e.param)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, f"the body exceeds {state.max_body_bytes} bytes", code="body_too_large")
     ident = active.identity.resolve(request.headers)
     if active.identity.require_api_key and not ident.authenticated:
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+    group_name = ident.group or active.config.default_group
+    try:
+        parsed = parse(raw)
+        cap = active.config.group(group_name).max_tokens
+        if cap is not None:
+            parsed = cap_max_tokens(parsed, cap, active.config.limits.max_tokens_action == "reject")
+    except BadRequest as e:
+        state.metrics.requests.labels(group_name, m.OUTCOME_BAD_REQUEST).inc()
+        return error_response(400, e.message, code="invalid_request", param=e.param)
 
     admission = state.admission
     try:
         ticket = await admission.acquire(ident.user_id, ident.group, parsed.prompt_tokens, parsed.max_tokens)
     except Refused as r:
-        group = ident.group or active.config.default_group
+        group = group_name
         state.metrics.rejections.labels(group, r.reason.value).inc()
         state.metrics.requests.labels(group, m.OUTCOME_REFUSED).inc()
         _log_access(ident.user_id, group, ex, loop.time(), m.OUTCOME_REFUSED, r.reason.value, 0.0)
         return _refusal_response(r)
     except asyncio.CancelledError:
-        group = ident.group or active.config.default_group
+        group = group_name
         state.metrics.requests.labels(group, m.OUTCOME_CLIENT_GONE).inc()
         _log_access(ident.user_id, group, ex, loop.time(), m.OUTCOME_CLIENT_GONE, "while queued", 0.0)
         raise

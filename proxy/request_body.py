@@ -175,3 +175,29 @@ def parse_generate(raw: bytes, stream: bool) -> ParsedRequest:
         prompt_tokens=_text_tokens(len(inputs)),
         fields=obj,
     )
+
+
+def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedRequest:
+    """Apply a group's ``max_tokens`` cap (tokens) to a parsed request.
+
+    A request asking for more than ``cap`` (or naming no limit, which would let the
+    upstream use its own, possibly huge, default) is rewritten to ask for ``cap``: the
+    body is re-serialized with the cap in the field the client used (``max_tokens``,
+    ``max_completion_tokens``, or LightLLM's ``parameters.max_new_tokens``). Requests
+    within the cap pass untouched, bytes and all.
+
+    Raises:
+        BadRequest: ``reject`` is true and the request explicitly asked for more.
+    """
+    if parsed.max_tokens is not None and parsed.max_tokens <= cap:
+        return parsed
+    fields = dict(parsed.fields)
+    if isinstance(fields.get("parameters"), dict) and "inputs" in fields:
+        target, key = dict(fields["parameters"]), "max_new_tokens"
+        fields["parameters"] = target
+    else:
+        target, key = fields, "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    if reject and target.get(key) is not None:
+        raise BadRequest(f"{key!r} must be at most {cap} for your group, got {parsed.max_tokens}", key)
+    target[key] = cap
+    return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields)

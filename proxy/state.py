@@ -53,6 +53,8 @@ class ProxyState:
         self.upstream: Upstream | None = None  # created on startup, inside the loop
         self.last_error: str | None = None
         self.draining = False
+        self.open_requests = 0  # client requests being handled now
+        self.max_body_bytes = config.limits.max_body_bytes  # fixed for the app's lifetime
 
     def apply(self, config: Config, digest: str = "") -> None:
         """Make ``config`` the active one, atomically (one reference swap, no await).

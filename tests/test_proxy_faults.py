@@ -1,0 +1,192 @@
+"""Limits, upstream faults and graceful shutdown: the proxy keeps serving, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import aiohttp
+import pytest
+import yaml
+
+from bench.fake_upstream import STATS, make_app
+from tests.conftest import base_config, wait_until
+from tests.engine_fixture import free_port
+from tests.proxy_process import start_proxy, stop_proxy
+
+CHAT = "/v1/chat/completions"
+
+
+# ---------------------------------------------------------------------- limits
+
+
+async def test_body_over_limit_is_413(make_stack, http):
+    cfg = base_config("")
+    cfg["limits"] = {"max_body_bytes": 2048}
+    st = await make_stack(config=cfg)
+    body = st.chat_body(2)
+    body["messages"][0]["content"] = "x" * 4000
+    async with http.post(st.proxy_url + CHAT, json=body) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["code"] == "body_too_large"
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(2)) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("action", ["clamp", "reject"])
+async def test_group_max_tokens_cap(make_stack, http, action):
+    cfg = base_config("")
+    cfg["groups"][1]["max_tokens"] = 5  # bronze
+    cfg["limits"] = {"max_tokens_action": action}
+    st = await make_stack(config=cfg)
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(50)) as r:
+        if action == "reject":
+            assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"
+        else:
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 5
+    # within the cap: untouched; other groups: uncapped
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(3)) as r:
+        assert (await r.json())["usage"]["completion_tokens"] == 3
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(50), headers={"Authorization": "Bearer sk-alice"}) as r:
+        assert (await r.json())["usage"]["completion_tokens"] == 50
+
+
+async def test_concurrent_request_cap_answers_503(make_stack, http):
+    cfg = base_config("")
+    cfg["limits"] = {"max_concurrent_requests": 2}
+    st = await make_stack(config=cfg, ttft_s=0.5)
+    hung = [asyncio.create_task(http.post(st.proxy_url + CHAT, json=st.chat_body(1))) for _ in range(2)]
+    await wait_until(lambda: st.state.open_requests == 2, what="two requests open")
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+    for t in hung:
+        (await t).release()
+
+
+async def test_oversized_header_is_rejected(make_stack, http):
+    st = await make_stack()
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(1), headers={"X-Big": "a" * 20000}) as r:
+        assert r.status in (400, 431)
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+        assert r.status == 200
+
+
+# -------------------------------------------------------------- upstream faults
+
+
+class RawUpstream:
+    """A real TCP server whose first ``drop`` connections are closed after reading the
+    request (no response: a reset pooled connection), and which answers the rest with a
+    small OpenAI JSON body after ``delay_s`` (``None``: never)."""
+
+    def __init__(self, drop: int = 0, delay_s: float | None = 0.0) -> None:
+        self.drop = drop
+        self.delay_s = delay_s
+        self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        n = self.connections
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            if n <= self.drop:
+                writer.transport.abort()
+                return
+            if self.delay_s is None:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay_s)
+            body = b'{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+
+
+async def test_connection_reset_before_any_byte_is_retried_once(make_stack, http):
+    async with RawUpstream(drop=1) as url:
+        st = await make_stack()
+        st.state.upstream.reconfigure(st.state.active.config.upstream.model_copy(update={"url": url}))
+        async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+            assert r.status == 200
+    async with RawUpstream(drop=2) as url:
+        st.state.upstream.reconfigure(st.state.active.config.upstream.model_copy(update={"url": url}))
+        async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_disconnected"
+    assert not st.state.admission.scheduler.inflight
+
+
+async def test_no_headers_in_time_is_504(make_stack, http):
+    async with RawUpstream(delay_s=None) as url:
+        st = await make_stack()
+        up = st.state.active.config.upstream.model_copy(update={"url": url, "first_byte_timeout_s": 0.3})
+        st.state.upstream.reconfigure(up)
+        async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+            assert r.status == 504 and (await r.json())["error"]["code"] == "upstream_timeout"
+    assert not st.state.admission.scheduler.inflight
+
+
+async def test_upstream_idle_mid_stream_ends_with_error_and_aborts(aiohttp_server, tmp_path, http):
+    up_app = make_app(itl_s=3.0)
+    up = await aiohttp_server(up_app)
+    cfg = base_config(str(up.make_url("")).rstrip("/"))
+    cfg["upstream"]["idle_timeout_s"] = 0.3
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    from proxy.app import create_app
+    from proxy.config import load_config
+    from proxy.handlers import STATE
+
+    app = create_app(load_config(path))
+    px = await aiohttp_server(app)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+    async with http.post(str(px.make_url(CHAT)), json=body) as r:
+        raw = await r.read()
+    assert b" t0" in raw and b"upstream_stream_broken" in raw and b"[DONE]" not in raw
+    await wait_until(lambda: up_app[STATS].aborted == 1, what="upstream aborted")
+    assert not app[STATE].admission.scheduler.inflight
+
+
+# ----------------------------------------------------------- graceful shutdown
+
+
+async def test_sigterm_refuses_queued_and_drains_inflight(aiohttp_server, tmp_path):
+    up_app = make_app(itl_s=0.1)
+    up = await aiohttp_server(up_app)
+    cfg = base_config(str(up.make_url("")).rstrip("/"), max_inflight=1)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = await asyncio.to_thread(start_proxy, path, port)
+    url = f"http://127.0.0.1:{port}{CHAT}"
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def call(n: int) -> tuple[int, bytes]:
+                async with s.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": n, "stream": True}) as r:
+                    return r.status, await r.read()
+
+            inflight = asyncio.create_task(call(15))  # ~1.5 s of streaming
+            await wait_until(lambda: up_app[STATS].started == 1, what="in flight")
+            queued = asyncio.create_task(call(1))
+            await asyncio.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            q_status, q_body = await queued
+            f_status, f_body = await inflight
+        assert q_status == 503 and b"shutting_down" in q_body
+        assert f_status == 200 and f_body.endswith(b"data: [DONE]\n\n") and f_body.count(b'"content"') == 15
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        await asyncio.to_thread(stop_proxy, proc)
