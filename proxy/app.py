@@ -6,10 +6,11 @@ import logging
 
 from aiohttp import web
 
-from . import admin, handlers
+from . import admin, handlers, openapi
 from .config import Config
 from .errors import error_response
 from .handlers import STATE
+from .load_signal import LOAD_SIGNAL, LoadSignal
 from .state import ProxyState
 from .upstream import Upstream
 
@@ -52,6 +53,7 @@ def create_app(
     app = web.Application(middlewares=[guard], client_max_size=config.limits.max_body_bytes)
     state = ProxyState(config, digest, config_path, upstream_override)
     app[STATE] = state
+    app[LOAD_SIGNAL] = load_signal = LoadSignal(state)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/generate", handlers.generate)
@@ -60,12 +62,15 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/openapi.json", openapi.openapi)
     admin.add_routes(app)
 
     async def start_upstream(app: web.Application) -> None:
         state.upstream = Upstream(state.active.config.upstream)
+        load_signal.start()
 
     async def close_upstream(app: web.Application) -> None:
+        await load_signal.stop()
         if state.upstream is not None:
             await state.upstream.close()
 

@@ -100,7 +100,7 @@ async def handle_generation(
             progress = lambda n: admission.scheduler.record_output(ticket, n)  # noqa: E731
             resp = await relay_stream(request, upstream, ex, progress, native=native)
         else:
-            if upstream.status == 417 and native:  # LightLLM's validation errors
+            if upstream.status == 417 and (native or active.config.upstream.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()
                 ex.outcome = m.OUTCOME_BAD_REQUEST
                 return error_response(400, _message_of(body), code="invalid_request")
@@ -175,13 +175,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, parse_completion, "/v1/completions")
 
 
+def _native_unavailable(request: web.Request) -> web.Response | None:
+    if request.app[STATE].active.config.upstream.kind != "lightllm":
+        return error_response(404, f"{request.path} is LightLLM's native route; this proxy's upstream.kind is not lightllm", code="not_found")
+    return None
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
-    """LightLLM native ``POST /generate``."""
+    """LightLLM native ``POST /generate`` (404 unless ``upstream.kind`` is lightllm)."""
+    if (unavailable := _native_unavailable(request)) is not None:
+        return unavailable
     return await handle_generation(request, lambda raw: parse_generate(raw, False), "/generate", native=True)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    """LightLLM native ``POST /generate_stream``."""
+    """LightLLM native ``POST /generate_stream`` (404 unless ``upstream.kind`` is lightllm)."""
+    if (unavailable := _native_unavailable(request)) is not None:
+        return unavailable
     return await handle_generation(request, lambda raw: parse_generate(raw, True), "/generate_stream", native=True)
 
 

@@ -135,16 +135,25 @@ class SSEScanner:
             return
         token = obj.get("token")
         count = token.get("count_output_tokens") if isinstance(token, dict) else None
-        self.tokens = count if isinstance(count, int) else self.tokens + 1
+        # one event per token; the engine's own running count wins when it is ahead
+        self.tokens = max(self.tokens + 1, count) if _is_count(count) else self.tokens + 1
+        prompt = token.get("prompt_tokens") if isinstance(token, dict) else None  # LightLLM main only
+        if _is_count(prompt) and prompt > 0:
+            self.prompt_tokens = prompt
         if obj.get("finished") is True:
             self.finished = True
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
     """(prompt_tokens, output_tokens) reported in a non-streaming answer, or Nones.
 
     OpenAI: ``usage.prompt_tokens`` / ``usage.completion_tokens``. LightLLM native
-    ``/generate``: ``count_output_tokens`` (no prompt count).
+    ``/generate``: ``count_output_tokens`` (a list when ``n`` > 1: summed) and, on
+    LightLLM main, ``prompt_tokens``.
     """
     try:
         obj = orjson.loads(body)
@@ -153,8 +162,10 @@ def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
     if not isinstance(obj, dict):
         return None, None
     if native:
-        n = obj.get("count_output_tokens")
-        return None, n if isinstance(n, int) else None
+        n, p = obj.get("count_output_tokens"), obj.get("prompt_tokens")
+        if isinstance(n, list) and n and all(_is_count(x) for x in n):
+            n = sum(n)
+        return (p if _is_count(p) and p > 0 else None), (n if _is_count(n) else None)
     usage = obj.get("usage")
     if not isinstance(usage, dict):
         return None, None

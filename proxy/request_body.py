@@ -115,9 +115,9 @@ def parse_chat(raw: bytes) -> ParsedRequest:
         if not isinstance(m, dict):
             raise BadRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
         chars += _content_chars(m.get("content"), f"messages[{i}].content")
-    max_tokens = _opt_int(obj, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _opt_int(obj, "max_tokens")
+    # both may be present; count the larger (upstreams differ in which one wins)
+    caps = [v for v in (_opt_int(obj, "max_completion_tokens"), _opt_int(obj, "max_tokens")) if v is not None]
+    max_tokens = max(caps) if caps else None
     return ParsedRequest(
         body=raw,
         stream=_opt_bool(obj, "stream"),
@@ -193,11 +193,13 @@ def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedReque
         return parsed
     fields = dict(parsed.fields)
     if isinstance(fields.get("parameters"), dict) and "inputs" in fields:
-        target, key = dict(fields["parameters"]), "max_new_tokens"
-        fields["parameters"] = target
+        target = fields["parameters"] = dict(fields["parameters"])
+        keys = ["max_new_tokens"]
     else:
-        target, key = fields, "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    if reject and target.get(key) is not None:
-        raise BadRequest(f"{key!r} must be at most {cap} for your group, got {parsed.max_tokens}", key)
-    target[key] = cap
+        target = fields
+        keys = [k for k in ("max_tokens", "max_completion_tokens") if target.get(k) is not None] or ["max_tokens"]
+    if reject and any(target.get(k) is not None for k in keys):
+        raise BadRequest(f"{keys[0]!r} must be at most {cap} for your group, got {parsed.max_tokens}", keys[0])
+    for k in keys:
+        target[k] = cap
     return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields)

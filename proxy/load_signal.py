@@ -1,0 +1,355 @@
+"""The engine's own load report, turned into an admission hold.
+
+The proxy's ``admission.max_inflight`` is a guess at what the engine can run at once. The
+engine knows better: when its KV cache is full it queues new requests itself, in arrival
+order, blind to priorities and fair shares. So while the engine reports itself saturated,
+the proxy dispatches nothing new and lets requests wait in *its* queue, where the
+scheduler orders them. One small ``GET`` per ``upstream.load_signal.interval_s`` (0.5 s by
+default) on a connection of its own; the task sleeps in between.
+
+Sources (``shared/interop/lightllm.md``):
+
+* ``kind: lightllm``: ``GET /token_load`` -> ``{"current_load", "logical_max_load",
+  "dynamic_max_load"}``, fractions of the KV token budget (lists, one per rank, with
+  ``--dp`` > 1). A rank's load is ``max(current_load, dynamic_max_load)`` (the second is
+  the router's estimate of the peak its running batch will reach); the engine is
+  saturated when every rank's load is at least ``saturated_at``.
+* ``kind: openai``: ``GET /metrics`` (Prometheus text). vLLM: ``vllm:kv_cache_usage_perc``
+  (older releases: ``vllm:gpu_cache_usage_perc``), a fraction despite its name, and
+  ``vllm:num_requests_waiting``; SGLang: ``sglang:token_usage`` and
+  ``sglang:num_queue_reqs``. Over several series (engines of one server) the usage is the
+  lowest and the waiting count the sum. Saturated when the usage is at least
+  ``saturated_at`` or the waiting count at least ``queue_at`` (0: ignored).
+* Anything else (a 404, other metric names: hosted APIs, ``transformers serve``): no
+  signal. With ``enabled: auto`` polling stops until the ``upstream`` section changes;
+  with ``enabled: true`` it is retried every 30 s, with one warning.
+
+The hold is :meth:`qos.Scheduler.set_capacity_limit` with 1: while saturated, nothing new
+is dispatched as long as any of our requests is in flight, and one is when none is, so the
+proxy cannot deadlock behind an engine kept busy by someone else; queued requests keep
+their ``queue_timeout_s``. A reading older than ``stale_after_s`` (the engine stopped
+answering, polls fail or hang) lifts the hold: admission falls back to ``max_inflight``,
+never to zero because a poll failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import LoadSignalConfig, UpstreamConfig
+from .state import ProxyState
+
+log = logging.getLogger("llm_qos.load_signal")
+
+Source = Literal["token_load", "metrics"]
+UNSUPPORTED_RETRY_S = 30.0  # ``enabled: true`` on an upstream without a signal
+MAX_ERROR_BACKOFF_S = 5.0  # polls of an unreachable upstream slow down to this
+MAX_POLL_TIMEOUT_S = 2.0
+
+_VLLM_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_VLLM_WAITING = ("vllm:num_requests_waiting",)
+_SGLANG_USAGE = ("sglang:token_usage",)
+_SGLANG_WAITING = ("sglang:num_queue_reqs",)
+_WANTED = frozenset(_VLLM_USAGE + _VLLM_WAITING + _SGLANG_USAGE + _SGLANG_WAITING)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One load report.
+
+    Attributes:
+        load: fraction (0-1) of the engine's KV budget in use or reserved, or ``None``.
+        waiting: requests queued inside the engine, or ``None`` when it does not say.
+        engine: ``lightllm``, ``vllm`` or ``sglang``.
+    """
+
+    load: float | None
+    waiting: int | None
+    engine: str
+
+
+class NoSignal(Exception):
+    """The upstream answered, but with nothing this module can read as load."""
+
+
+def _num(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def parse_token_load(body: bytes) -> Reading:
+    """Read LightLLM's ``/token_load`` answer.
+
+    Raises:
+        NoSignal: not JSON, or without ``current_load`` / ``dynamic_max_load`` numbers.
+    """
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise NoSignal("/token_load is not JSON") from None
+    if not isinstance(obj, dict):
+        raise NoSignal("/token_load is not a JSON object")
+
+    def ranks(key: str) -> list[float]:
+        v = obj.get(key)
+        vals = v if isinstance(v, list) else [v]
+        return [f for f in map(_num, vals) if f is not None]
+
+    current, dynamic = ranks("current_load"), ranks("dynamic_max_load")
+    if not current and not dynamic:
+        raise NoSignal("/token_load has neither current_load nor dynamic_max_load")
+    n = max(len(current), len(dynamic))
+    per_rank = [
+        max(current[i] if i < len(current) else 0.0, dynamic[i] if i < len(dynamic) else 0.0) for i in range(n)
+    ]
+    return Reading(load=min(per_rank), waiting=None, engine="lightllm")
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """``(name, value)`` of one Prometheus sample line, or ``None`` if unreadable."""
+    brace = line.find("{")
+    if brace >= 0:
+        name, rest = line[:brace], line[line.rfind("}") + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        value = float(parts[0])
+    except ValueError:
+        return None
+    return (name.strip(), value) if math.isfinite(value) else None
+
+
+def parse_prometheus(text: str) -> Reading:
+    """Read vLLM's or SGLang's load from a Prometheus ``/metrics`` text.
+
+    Raises:
+        NoSignal: none of the metrics named in the module docstring is there.
+    """
+    found: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not (line.startswith("vllm:") or line.startswith("sglang:")):
+            continue
+        s = _sample(line)
+        if s is not None and s[0] in _WANTED:
+            found.setdefault(s[0], []).append(s[1])
+    for engine, usage_names, waiting_names in (
+        ("vllm", _VLLM_USAGE, _VLLM_WAITING),
+        ("sglang", _SGLANG_USAGE, _SGLANG_WAITING),
+    ):
+        usage = next((found[n] for n in usage_names if n in found), None)
+        waiting = next((found[n] for n in waiting_names if n in found), None)
+        if usage is None and waiting is None:
+            continue
+        return Reading(
+            load=min(usage) if usage else None,
+            waiting=int(sum(waiting)) if waiting else None,
+            engine=engine,
+        )
+    raise NoSignal("/metrics has no vLLM or SGLang load metrics")
+
+
+def is_saturated(reading: Reading, cfg: LoadSignalConfig) -> bool:
+    """Whether ``reading`` says the engine cannot take more work now."""
+    if reading.load is not None and reading.load >= cfg.saturated_at:
+        return True
+    return cfg.queue_at > 0 and reading.waiting is not None and reading.waiting >= cfg.queue_at
+
+
+def source_of(upstream: UpstreamConfig) -> Source | None:
+    """What to poll for ``upstream``, or ``None`` when the signal is off."""
+    if upstream.load_signal.enabled is False:
+        return None
+    return "token_load" if upstream.kind == "lightllm" else "metrics"
+
+
+class LoadSignal:
+    """The polling task of one proxy: reads the engine's load and sets the hold.
+
+    Args:
+        state: the proxy state; its active config is read at every poll, so a hot
+            reload of ``upstream`` (URL, ``load_signal``) applies at the next one.
+
+    :meth:`start` inside the running loop, :meth:`stop` on shutdown.
+
+    Attributes:
+        reading: the last reading, or ``None``.
+        reading_at: monotonic time of ``reading``.
+        saturated: whether the hold is in force.
+        no_signal: the upstream answered without a load signal (polling paused).
+    """
+
+    def __init__(self, state: ProxyState, clock=time.monotonic) -> None:
+        self._state = state
+        self._clock = clock
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._key: tuple | None = None
+        self._paused_until = 0.0
+        self._error_streak = 0
+        self.reading: Reading | None = None
+        self.reading_at = -math.inf
+        self.saturated = False
+        self.no_signal = False
+        self.polls = {"ok": 0, "error": 0, "no_signal": 0}
+        state.metrics.registry.register(_Collector(self))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start polling (a no-op when already started)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="llm-qos load signal")
+
+    async def stop(self) -> None:
+        """Stop polling, lift the hold, close the connection."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._set_hold(False, None)
+
+    # ----------------------------------------------------------------- loop
+
+    async def _run(self) -> None:
+        while True:
+            upstream = self._state.active.config.upstream
+            cfg = upstream.load_signal
+            delay = cfg.interval_s
+            try:
+                delay = await self._step(upstream)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let a bug here stop the proxy or freeze a hold
+                log.exception("load signal poll failed unexpectedly; holding nothing")
+                self._set_hold(False, None)
+            await asyncio.sleep(delay)
+
+    async def _step(self, upstream: UpstreamConfig) -> float:
+        """One poll (or none, when off or paused); returns the seconds until the next."""
+        cfg = upstream.load_signal
+        key = (upstream.url, upstream.kind, cfg.enabled, upstream.credential())
+        if key != self._key:  # a new upstream: forget what the old one said
+            self._key = key
+            self._paused_until = 0.0
+            self.no_signal = False
+            self.reading, self.reading_at = None, -math.inf
+            self._error_streak = 0
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+        source = source_of(upstream)
+        now = self._clock()
+        if source is None or now < self._paused_until:
+            self._set_hold(False, None)
+            return cfg.interval_s
+        delay = cfg.interval_s
+        try:
+            reading = await self.poll(upstream, source)
+        except NoSignal as e:
+            self.polls["no_signal"] += 1
+            self.reading, self.reading_at = None, -math.inf
+            if not self.no_signal:
+                level = logging.INFO if cfg.enabled == "auto" else logging.WARNING
+                log.log(level, "upstream %s has no load signal (%s); admission uses max_inflight alone", upstream.url, e)
+            self.no_signal = True
+            self._paused_until = math.inf if cfg.enabled == "auto" else now + UNSUPPORTED_RETRY_S
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self.polls["error"] += 1
+            self._error_streak += 1
+            if self._error_streak == 3:
+                log.warning("load signal: %s unreachable (%s); falling back to max_inflight once stale", upstream.url, e or type(e).__name__)
+            delay = min(MAX_ERROR_BACKOFF_S, cfg.interval_s * 2 ** min(self._error_streak, 6))
+        else:
+            self.polls["ok"] += 1
+            self._error_streak = 0
+            self.no_signal = False
+            self.reading, self.reading_at = reading, self._clock()
+        fresh = self.reading if self._clock() - self.reading_at <= cfg.stale_after_s else None
+        self._set_hold(fresh is not None and is_saturated(fresh, cfg), fresh)
+        return delay
+
+    async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
+        """One ``GET`` of the load source.
+
+        Raises:
+            NoSignal: the answer holds no load signal (a 4xx, or no known metrics).
+            aiohttp.ClientError, TimeoutError, OSError: the upstream could not be read.
+        """
+        cfg = upstream.load_signal
+        path = "/token_load" if source == "token_load" else "/metrics"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=upstream.keepalive_timeout_s),
+                auto_decompress=True,
+            )
+        headers = {"Accept": "application/json" if source == "token_load" else "text/plain"}
+        key = upstream.credential()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        timeout = aiohttp.ClientTimeout(total=max(0.05, min(MAX_POLL_TIMEOUT_S, cfg.stale_after_s / 2)))
+        async with self._session.get(upstream.url + path, headers=headers, timeout=timeout, allow_redirects=False) as resp:
+            body = await resp.read()
+            status = resp.status
+        if 400 <= status < 500:
+            raise NoSignal(f"GET {path} answered {status}")
+        if status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, (), status=status, message=f"GET {path} answered {status}")
+        if source == "token_load":
+            return parse_token_load(body)
+        return parse_prometheus(body.decode("utf-8", "replace"))
+
+    def _set_hold(self, saturated: bool, reading: Reading | None) -> None:
+        if saturated == self.saturated:
+            return
+        self.saturated = saturated
+        self._state.admission.scheduler.set_capacity_limit(1 if saturated else None)
+        if saturated:
+            log.info("engine saturated (load %s, waiting %s): holding new admissions", reading and reading.load, reading and reading.waiting)
+        else:
+            log.info("engine no longer saturated (or its load is unknown): admitting up to max_inflight")
+
+
+class _Collector(Collector):
+    def __init__(self, signal: LoadSignal) -> None:
+        self._signal = signal
+
+    def collect(self):
+        s = self._signal
+        yield GaugeMetricFamily(
+            "llm_qos_upstream_saturated", "1 while the engine reports itself saturated and new admissions are held.", value=int(s.saturated)
+        )
+        r = s.reading
+        load = GaugeMetricFamily("llm_qos_upstream_load", "The engine's last reported KV-cache load (fraction).")
+        if r is not None and r.load is not None:
+            load.add_metric([], r.load)
+        yield load
+        waiting = GaugeMetricFamily("llm_qos_upstream_waiting", "Requests waiting inside the engine, as it last reported.")
+        if r is not None and r.waiting is not None:
+            waiting.add_metric([], r.waiting)
+        yield waiting
+        polls = CounterMetricFamily("llm_qos_load_signal_polls", "Polls of the engine's load, by result (ok, error, no_signal).", labels=["result"])
+        for result, n in s.polls.items():
+            polls.add_metric([result], n)
+        yield polls
+
+
+LOAD_SIGNAL = web.AppKey("llm_qos_load_signal", LoadSignal)
