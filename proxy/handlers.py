@@ -98,7 +98,7 @@ async def handle_generation(
             return error_response(e.status, e.message, code=e.code)
         if parsed.stream and upstream.status == 200:
             progress = lambda n: admission.scheduler.record_output(ticket, n)  # noqa: E731
-            resp = await relay_stream(request, upstream, ex, progress, native=native)
+            resp = await relay_stream(request, upstream, ex, progress, native=native, write_timeout_s=active.config.limits.client_write_timeout_s)
         else:
             if upstream.status == 417 and (native or active.config.upstream.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()

@@ -176,12 +176,18 @@ def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
 _UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
 
 
+class ClientTooSlow(ConnectionResetError):
+    """The client did not read the stream for ``client_write_timeout_s``: it is treated
+    like a client that went away (its upstream request is aborted)."""
+
+
 async def relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
     ex: Exchange,
     on_progress: Callable[[int], None],
     native: bool = False,
+    write_timeout_s: float = 60.0,
 ) -> web.StreamResponse:
     """Relay an SSE answer chunk by chunk.
 
@@ -191,23 +197,33 @@ async def relay_stream(
         ex: updated with first-byte time, token counts and the outcome.
         on_progress: called with the cumulative output token count as it grows.
         native: LightLLM native stream semantics (see module docstring).
+        write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
 
     Returns:
         The finished stream response. ``ex.outcome`` is ``ok`` or ``upstream_error``.
 
     Raises:
-        ConnectionResetError, asyncio.CancelledError: the client went away; the caller
-            aborts the upstream.
+        ConnectionResetError, asyncio.CancelledError: the client went away (or stopped
+            reading: :class:`ClientTooSlow`); the caller aborts the upstream.
     """
     loop = asyncio.get_running_loop()
     resp = web.StreamResponse(status=200, headers=STREAM_HEADERS)
     await resp.prepare(request)
+    transport = request.transport
     scanner = SSEScanner(native)
     try:
         async for chunk in upstream.content.iter_any():
             if ex.first_byte_at is None:
                 ex.first_byte_at = loop.time()
-            await resp.write(chunk)
+            if transport is not None and transport.get_write_buffer_size():
+                # the client is behind: the write may wait for it, but not forever
+                try:
+                    async with asyncio.timeout(write_timeout_s):
+                        await resp.write(chunk)
+                except TimeoutError:
+                    raise ClientTooSlow(f"the client read nothing for {write_timeout_s:g} s") from None
+            else:
+                await resp.write(chunk)
             before = scanner.tokens
             scanner.feed(chunk)
             if scanner.tokens != before:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import socket
 
 import aiohttp
 import pytest
@@ -190,3 +192,23 @@ async def test_sigterm_refuses_queued_and_drains_inflight(aiohttp_server, tmp_pa
         assert await asyncio.to_thread(proc.wait, 10) == 0
     finally:
         await asyncio.to_thread(stop_proxy, proc)
+
+
+async def test_client_that_stops_reading_is_dropped_and_upstream_aborted(make_stack):
+    """A client that sends a streaming request and never reads: the relay's buffer does
+    not grow without bound (writes wait for the client), and after
+    client_write_timeout_s the client is dropped and the upstream aborted."""
+    cfg = base_config("")
+    cfg["limits"] = {"client_write_timeout_s": 0.5}
+    st = await make_stack(config=cfg)
+    payload = json.dumps(st.chat_body(2_000_000, stream=True)).encode()
+    host, port = st.proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    # never read
+    await wait_until(lambda: st.stats.aborted == 1, timeout=20, what="upstream aborted after the write timeout")
+    await wait_until(lambda: not st.state.admission.scheduler.inflight, what="slot released")
+    assert st.stats.tokens_sent < 2_000_000
+    writer.close()
