@@ -102,7 +102,7 @@ async def handle_generation(
         else:
             if upstream.status == 417 and (native or active.config.upstream.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()
-                ex.outcome = m.OUTCOME_BAD_REQUEST
+                ex.outcome, clean = m.OUTCOME_BAD_REQUEST, True  # read in full: nothing to abort
                 return error_response(400, _message_of(body), code="invalid_request")
             try:
                 resp = await relay_body(upstream, ex, native=native)

@@ -209,31 +209,32 @@ async def relay_stream(
     loop = asyncio.get_running_loop()
     resp = web.StreamResponse(status=200, headers=STREAM_HEADERS)
     await resp.prepare(request)
-    transport = request.transport
     scanner = SSEScanner(native)
+    watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
         async for chunk in upstream.content.iter_any():
             if ex.first_byte_at is None:
                 ex.first_byte_at = loop.time()
-            if transport is not None and transport.get_write_buffer_size():
-                # the client is behind: the write may wait for it, but not forever
-                try:
-                    async with asyncio.timeout(write_timeout_s):
-                        await resp.write(chunk)
-                except TimeoutError:
-                    raise ClientTooSlow(f"the client read nothing for {write_timeout_s:g} s") from None
-            else:
-                await resp.write(chunk)
+            watchdog.pending_since = loop.time()
+            await resp.write(chunk)  # waits while the client's socket is full
+            watchdog.pending_since = None
             before = scanner.tokens
             scanner.feed(chunk)
             if scanner.tokens != before:
                 ex.output_tokens = scanner.tokens
                 on_progress(scanner.tokens)
+    except asyncio.CancelledError:
+        if watchdog.fired:
+            asyncio.current_task().uncancel()
+            raise ClientTooSlow(f"the client read nothing for {write_timeout_s:g} s") from None
+        raise
     except _UPSTREAM_FAILURES as e:
         _take_counts(ex, scanner)
         ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
         await resp.write(sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken"))
         return resp
+    finally:
+        watchdog.stop()
     _take_counts(ex, scanner)
     if native and not scanner.finished:
         ex.outcome, ex.detail = "upstream_error", "native stream ended without finished:true"
@@ -244,6 +245,34 @@ async def relay_stream(
     await resp.write_eof()
     ex.outcome = "ok"
     return resp
+
+
+class _WriteWatchdog:
+    """Cancels the relaying task when one write to the client has waited longer than
+    ``timeout_s`` (the client stopped reading). One timer per stream, re-armed every
+    ``timeout_s / 4``, instead of a timeout around every chunk's write; so a stuck
+    client is dropped between 1 and 1.25 x ``timeout_s`` after its write began."""
+
+    __slots__ = ("pending_since", "fired", "_loop", "_timeout_s", "_task", "_handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.pending_since: float | None = None
+        self.fired = False
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._task = asyncio.current_task()
+        self._handle = loop.call_later(timeout_s / 4, self._check)
+
+    def _check(self) -> None:
+        since = self.pending_since
+        if since is not None and self._loop.time() - since >= self._timeout_s:
+            self.fired = True
+            self._task.cancel()
+            return
+        self._handle = self._loop.call_later(self._timeout_s / 4, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 def _take_counts(ex: Exchange, scanner: SSEScanner) -> None:

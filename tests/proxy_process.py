@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.proc_util import die_with_parent
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_MARK = "llm-qos proxy ready on "
 
@@ -30,7 +32,9 @@ def start_proxy(
     if upstream:
         cmd += ["--upstream", upstream]
     cmd += extra_args or []
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent
+    )
     log.close()
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import base_config
 from tests.engine_fixture import free_port
+from tests.proc_util import die_with_parent
 from tests.proxy_process import REPO_ROOT, start_proxy, stop_proxy
 
 EXAMPLES = 2500  # per test; four tests -> 10 000 cases
@@ -30,7 +31,7 @@ EXAMPLES = 2500  # per test; four tests -> 10 000 cases
 def proxy_port(tmp_path_factory):
     up_port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    up = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", "--port", str(up_port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", "--port", str(up_port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     assert "ready" in up.stdout.readline()
     cfg = base_config(f"http://127.0.0.1:{up_port}", max_inflight=8, queue_timeout_s=5)
     for g in cfg["groups"]:
