@@ -16,11 +16,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 LIGHTLLM_DEFAULT_NCCL_PORT = 28765
+#: The Python that has LightLLM, when it is not the launcher's own: LightLLM's container image
+#: ships Python 3.10 in /opt/conda while the launcher needs 3.11+ (docker/Dockerfile.engine).
+LIGHTLLM_PYTHON_ENV = "LLM_QOS_LIGHTLLM_PYTHON"
+
+
+def lightllm_python() -> str:
+    """The interpreter LightLLM runs under: ``$LLM_QOS_LIGHTLLM_PYTHON``, else this one."""
+    return os.environ.get(LIGHTLLM_PYTHON_ENV) or sys.executable
 
 
 def default_nccl_port(http_port: int) -> int:
@@ -57,7 +66,8 @@ class LightLLMOptions:
 
 
 def lightllm_command(opts: LightLLMOptions, *, python: str | None = None) -> list[str]:
-    """Argv ``<python> -m lightllm.server.api_server --model_dir ... --nccl_port ...``.
+    """Argv ``<python> -m lightllm.server.api_server --model_dir ... --nccl_port ...``
+    (``python`` defaults to :func:`lightllm_python`).
 
     Raises:
         ValueError: ``tp`` < 1, or the NCCL port equals the HTTP port.
@@ -68,7 +78,7 @@ def lightllm_command(opts: LightLLMOptions, *, python: str | None = None) -> lis
     if nccl == opts.port:
         raise ValueError(f"nccl_port {nccl} must differ from the HTTP port")
     argv = [
-        python or sys.executable,
+        python or lightllm_python(),
         "-m",
         "lightllm.server.api_server",
         "--model_dir",
@@ -91,7 +101,15 @@ def lightllm_command(opts: LightLLMOptions, *, python: str | None = None) -> lis
 
 
 def lightllm_available() -> bool:
-    """True when the ``lightllm`` package is importable (checked with find_spec, not imported)."""
+    """True when the ``lightllm`` package is importable (checked with find_spec, not imported),
+    by the interpreter of ``$LLM_QOS_LIGHTLLM_PYTHON`` when that is set."""
+    other = os.environ.get(LIGHTLLM_PYTHON_ENV)
+    if other:
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('lightllm') is None)"
+        try:
+            return subprocess.run([other, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
     try:
         return importlib.util.find_spec("lightllm") is not None
     except (ImportError, ValueError):

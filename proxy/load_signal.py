@@ -24,12 +24,23 @@ Sources (``shared/interop/lightllm.md``):
   signal. With ``enabled: auto`` polling stops until the ``upstream`` section changes;
   with ``enabled: true`` it is retried every 30 s, with one warning.
 
-The hold is :meth:`qos.Scheduler.set_capacity_limit` with 1: while saturated, nothing new
-is dispatched as long as any of our requests is in flight, and one is when none is, so the
-proxy cannot deadlock behind an engine kept busy by someone else; queued requests keep
-their ``queue_timeout_s``. A reading older than ``stale_after_s`` (the engine stopped
-answering, polls fail or hang) lifts the hold: admission falls back to ``max_inflight``,
-never to zero because a poll failed.
+Each fresh reading sets :meth:`qos.Scheduler.set_capacity_limit` (:func:`capacity_for`):
+
+* saturated: 1. Nothing new is dispatched as long as any of our requests is in flight,
+  and one is when none is, so the proxy cannot deadlock behind an engine kept busy by
+  someone else; queued requests keep their ``queue_timeout_s``.
+* not saturated, with ``n`` of our requests in flight and a load ``L``: ``n`` plus as
+  many requests of the average size ``L / n`` as fit below ``saturated_at``, at least one.
+  So when the engine drains, the proxy's queue is fed to it as room appears instead of
+  all at once (which would only move the queue into the engine's FIFO); a share of the
+  load that is not ours makes the estimate conservative, and capacity then grows by one
+  request per poll.
+* no load figure, or nothing of ours in flight: no limit (``max_inflight``).
+
+A reading older than ``stale_after_s`` (the engine stopped answering, polls fail or hang)
+lifts any limit: admission falls back to ``max_inflight``, never to zero because a poll
+failed. Arrivals faster than the poll interval are not held until the next reading shows
+their load: the signal steers sustained load, ``max_inflight`` still caps bursts.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ log = logging.getLogger("llm_qos.load_signal")
 
 Source = Literal["token_load", "metrics"]
 UNSUPPORTED_RETRY_S = 30.0  # ``enabled: true`` on an upstream without a signal
-MAX_ERROR_BACKOFF_S = 5.0  # polls of an unreachable upstream slow down to this
+MAX_ERROR_BACKOFF_S = 2.0  # polls of an unreachable upstream slow down to this
 MAX_POLL_TIMEOUT_S = 2.0
 
 _VLLM_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -171,6 +182,17 @@ def is_saturated(reading: Reading, cfg: LoadSignalConfig) -> bool:
     return cfg.queue_at > 0 and reading.waiting is not None and reading.waiting >= cfg.queue_at
 
 
+def capacity_for(reading: Reading, cfg: LoadSignalConfig, inflight: int) -> int | None:
+    """The scheduler capacity limit a fresh ``reading`` calls for while ``inflight`` of our
+    requests are in flight (see the module docstring); ``None`` for no limit."""
+    if is_saturated(reading, cfg):
+        return 1
+    if reading.load is None or reading.load <= 0 or inflight <= 0:
+        return None
+    per_request = reading.load / inflight
+    return inflight + max(1, int((cfg.saturated_at - reading.load) / per_request + 1e-9))
+
+
 def source_of(upstream: UpstreamConfig) -> Source | None:
     """What to poll for ``upstream``, or ``None`` when the signal is off."""
     if upstream.load_signal.enabled is False:
@@ -190,7 +212,8 @@ class LoadSignal:
     Attributes:
         reading: the last reading, or ``None``.
         reading_at: monotonic time of ``reading``.
-        saturated: whether the hold is in force.
+        saturated: whether the last fresh reading says the engine is saturated.
+        limit: the capacity limit set on the scheduler (``None``: ``max_inflight``).
         no_signal: the upstream answered without a load signal (polling paused).
     """
 
@@ -205,6 +228,7 @@ class LoadSignal:
         self.reading: Reading | None = None
         self.reading_at = -math.inf
         self.saturated = False
+        self.limit: int | None = None
         self.no_signal = False
         self.polls = {"ok": 0, "error": 0, "no_signal": 0}
         state.metrics.registry.register(_Collector(self))
@@ -225,7 +249,7 @@ class LoadSignal:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        self._set_hold(False, None)
+        self._apply(None)
 
     # ----------------------------------------------------------------- loop
 
@@ -240,7 +264,7 @@ class LoadSignal:
                 raise
             except Exception:  # never let a bug here stop the proxy or freeze a hold
                 log.exception("load signal poll failed unexpectedly; holding nothing")
-                self._set_hold(False, None)
+                self._apply(None)
             await asyncio.sleep(delay)
 
     async def _step(self, upstream: UpstreamConfig) -> float:
@@ -259,7 +283,7 @@ class LoadSignal:
         source = source_of(upstream)
         now = self._clock()
         if source is None or now < self._paused_until:
-            self._set_hold(False, None)
+            self._apply(None)
             return cfg.interval_s
         delay = cfg.interval_s
         try:
@@ -276,7 +300,7 @@ class LoadSignal:
             self.polls["error"] += 1
             self._error_streak += 1
             if self._error_streak == 3:
-                log.warning("load signal: %s unreachable (%s); falling back to max_inflight once stale", upstream.url, e or type(e).__name__)
+                log.warning("load signal: cannot read the load of %s (%s); admission falls back to max_inflight once the last reading is stale", upstream.url, str(e) or type(e).__name__)
             delay = min(MAX_ERROR_BACKOFF_S, cfg.interval_s * 2 ** min(self._error_streak, 6))
         else:
             self.polls["ok"] += 1
@@ -284,7 +308,7 @@ class LoadSignal:
             self.no_signal = False
             self.reading, self.reading_at = reading, self._clock()
         fresh = self.reading if self._clock() - self.reading_at <= cfg.stale_after_s else None
-        self._set_hold(fresh is not None and is_saturated(fresh, cfg), fresh)
+        self._apply(fresh, cfg)
         return delay
 
     async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
@@ -317,15 +341,20 @@ class LoadSignal:
             return parse_token_load(body)
         return parse_prometheus(body.decode("utf-8", "replace"))
 
-    def _set_hold(self, saturated: bool, reading: Reading | None) -> None:
-        if saturated == self.saturated:
-            return
-        self.saturated = saturated
-        self._state.admission.scheduler.set_capacity_limit(1 if saturated else None)
-        if saturated:
-            log.info("engine saturated (load %s, waiting %s): holding new admissions", reading and reading.load, reading and reading.waiting)
-        else:
-            log.info("engine no longer saturated (or its load is unknown): admitting up to max_inflight")
+    def _apply(self, fresh: Reading | None, cfg: LoadSignalConfig | None = None) -> None:
+        """Set the scheduler's capacity limit from a fresh reading (``None``: no limit)."""
+        sched = self._state.admission.scheduler
+        saturated = fresh is not None and cfg is not None and is_saturated(fresh, cfg)
+        limit = capacity_for(fresh, cfg, len(sched.inflight)) if fresh is not None and cfg is not None else None
+        if saturated != self.saturated:
+            self.saturated = saturated
+            if saturated:
+                log.info("engine saturated (load %s, waiting %s): holding new admissions", fresh.load, fresh.waiting)
+            else:
+                log.info("engine no longer saturated (or its load is unknown)")
+        if limit != self.limit:
+            self.limit = limit
+            sched.set_capacity_limit(limit)  # one call: a lift dispatches up to the new limit only
 
 
 class _Collector(Collector):
@@ -346,6 +375,10 @@ class _Collector(Collector):
         if r is not None and r.waiting is not None:
             waiting.add_metric([], r.waiting)
         yield waiting
+        yield GaugeMetricFamily(
+            "llm_qos_admission_capacity", "Requests allowed in flight now: max_inflight, or lower by the load signal.",
+            value=s._state.admission.scheduler.capacity,
+        )
         polls = CounterMetricFamily("llm_qos_load_signal_polls", "Polls of the engine's load, by result (ok, error, no_signal).", labels=["result"])
         for result, n in s.polls.items():
             polls.add_metric([result], n)

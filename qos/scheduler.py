@@ -9,7 +9,10 @@ method that caused them.
 Order of service when a slot is free:
 
 1. a class with ``min_share`` > 0 that has work waiting and whose decayed share of
-   dispatched cost is below its ``min_share`` (the largest deficit first);
+   dispatched cost is below its ``min_share`` (the largest deficit first); that cost is
+   counted at dispatch as expected from the user's recent requests, then trued up with
+   the real counts, and a class that starts waiting again is credited up to its share
+   (no catch-up burst for time it spent idle);
 2. otherwise the highest-priority class with work waiting (strict priority);
 3. inside the class, the user with the smallest virtual token counter
    (:mod:`qos.fair_queue`).
@@ -32,6 +35,7 @@ from .rate_limit import TokenBucket
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
 Clock = Callable[[], float]
+_OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in a user's output ratio
 TicketCallback = Callable[[Ticket], None]
 
 
@@ -95,11 +99,15 @@ class Scheduler:
         self._group_limits: dict[str, _Limits] = {}
         self._served: dict[str, float] = {}  # decayed dispatched cost per class
         self._served_at = clock()
+        # per user: exponentially weighted sums of real and of estimated output tokens of
+        # finished requests; their ratio scales the estimate counted toward min_share
+        self._output_ratio: dict[str, list[float]] = {}
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
         self.inflight_tokens = 0
         self.queued = 0
         self.closed = False
+        self._capacity_limit: int | None = None
         self._apply(policy)
 
     # ----------------------------------------------------------------- policy
@@ -148,6 +156,31 @@ class Scheduler:
         surplus in flight finish. Nothing is refused by a policy change.
         """
         self._apply(policy)
+        self._dispatch()
+
+    @property
+    def capacity(self) -> int:
+        """Requests allowed in flight now: ``policy.max_inflight``, or the limit set by
+        :meth:`set_capacity_limit` when that is lower."""
+        limit = self._capacity_limit
+        return self.policy.max_inflight if limit is None else min(limit, self.policy.max_inflight)
+
+    def set_capacity_limit(self, limit: int | None) -> None:
+        """Lower the requests allowed in flight below ``policy.max_inflight`` for as long
+        as an outside signal says so (the engine reporting itself saturated), or lift the
+        limit with ``None``. The limit survives :meth:`update_policy`.
+
+        Nothing is refused or preempted: requests in flight finish, queued ones wait
+        (their queue timeout still runs). A limit of 1 dispatches one request whenever
+        nothing is in flight, so no limit can stall the queue for good. Raising or lifting
+        the limit dispatches waiting requests at once.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
+        self._capacity_limit = limit
         self._dispatch()
 
     # ---------------------------------------------------------------- accounts
@@ -222,16 +255,24 @@ class Scheduler:
         )
         self._take_rate(user_id, gpol.name, ticket.reserved_tokens, now)
         acct = self._account(user_id, up.group, up.weight)
+        if gpol.min_share > 0 and not len(queue):
+            self._lift_share(gpol.name, gpol.min_share, now)
         queue.push(ticket, acct)
         self.queued += 1
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.seq, ticket))
+        dl = self._deadlines
+        heapq.heappush(dl, (ticket.deadline, ticket.seq, ticket))
+        if len(dl) > 2 * self.queued + 1024:
+            # entries of tickets no longer queued are dropped lazily from the top only;
+            # compact now and then so they cannot pile up (amortized O(1) per submit)
+            self._deadlines = [e for e in dl if e[2].state is TicketState.QUEUED]
+            heapq.heapify(self._deadlines)
         self._dispatch()
         return ticket
 
     def _can_dispatch_now(self, queue: FairQueue, tokens: int) -> bool:
         """Whether a new request for ``queue`` would be dispatched immediately (then queue
         bounds do not apply: it never waits)."""
-        if self.queued > 0 or len(self.inflight) >= self.policy.max_inflight:
+        if self.queued > 0 or len(self.inflight) >= self.capacity:
             return False
         cap = self.policy.max_inflight_tokens
         return cap is None or not self.inflight or self.inflight_tokens + tokens <= cap
@@ -291,6 +332,56 @@ class Scheduler:
                 self._served[k] *= f
             self._served_at = now
 
+    def _add_served(self, group: str, delta: float, charged_at: float | None = None) -> None:
+        """Add ``delta`` (negative: refund) to the decayed served cost of ``group``. A
+        refund that corrects a charge made at ``charged_at`` is decayed as that charge was."""
+        if group not in self._served or delta == 0:
+            return
+        now = self._clock()
+        self._decay_served(now)
+        if delta < 0 and charged_at is not None and now > charged_at:
+            delta *= math.exp(-(now - charged_at) / self.policy.share_window_s)
+        self._served[group] = max(0.0, self._served[group] + delta)
+
+    def _expected_output(self, ticket: Ticket) -> float:
+        """Output tokens ``ticket`` is expected to produce: its estimate scaled by the
+        ratio of real to estimated output of its user's recent finished requests (the
+        estimate itself until one has finished).
+
+        User counters are charged the plain estimate (an over-estimate there only shifts
+        a counter by a bounded amount while the request runs); a class's share is a
+        ratio of decayed sums, where a systematic over-estimate of its requests in flight
+        would be a proportional error, so ``min_share`` counts this expectation instead.
+        """
+        r = self._output_ratio.get(ticket.user_id)
+        if r is None or r[1] <= 0:
+            return float(ticket.max_output_tokens)
+        return ticket.max_output_tokens * r[0] / r[1]
+
+    def _learn_output(self, ticket: Ticket, output_tokens: int) -> None:
+        if ticket.max_output_tokens <= 0:
+            return
+        r = self._output_ratio.get(ticket.user_id)
+        if r is None:
+            self._output_ratio[ticket.user_id] = [float(output_tokens), float(ticket.max_output_tokens)]
+        else:
+            keep = 1.0 - _OUTPUT_RATIO_ALPHA
+            r[0] = r[0] * keep + output_tokens
+            r[1] = r[1] * keep + ticket.max_output_tokens
+
+    def _lift_share(self, group: str, min_share: float, now: float) -> None:
+        """A class with ``min_share`` that starts waiting again is credited up to its
+        share: time it spent idle is not owed to it later (as an idle user's counter is
+        lifted in :mod:`qos.fair_queue`), so it cannot come back with a burst that holds
+        off the higher classes for many slot turnovers."""
+        if min_share >= 1.0:
+            return
+        self._decay_served(now)
+        others = sum(v for k, v in self._served.items() if k != group)
+        floor = min_share / (1.0 - min_share) * others
+        if self._served.get(group, 0.0) < floor:
+            self._served[group] = floor
+
     def _pick_queue(self) -> FairQueue | None:
         share_groups = [g for g in self.policy.groups if g.min_share > 0 and len(self._queues[g.name])]
         if share_groups:
@@ -313,7 +404,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         policy = self.policy
         cap = policy.max_inflight_tokens
-        while self.queued and len(self.inflight) < policy.max_inflight:
+        while self.queued and len(self.inflight) < self.capacity:
             queue = self._pick_queue()
             if queue is None:
                 return
@@ -332,7 +423,9 @@ class Scheduler:
             self.inflight.add(ticket)
             self.inflight_tokens += ticket.reserved_tokens
             self._decay_served(ticket.admitted_at)
-            self._served[ticket.group] = self._served.get(ticket.group, 0.0) + cost
+            share_cost = policy.cost.cost(ticket.prompt_tokens, self._expected_output(ticket))
+            ticket.share_charged = share_cost
+            self._served[ticket.group] = self._served.get(ticket.group, 0.0) + share_cost
             self._on_admit(ticket)
 
     # ------------------------------------------------------------- lifecycle
@@ -382,6 +475,9 @@ class Scheduler:
             acct = self._accounts[ticket.user_id]
             self._queue_of(ticket).charge(acct, cost - ticket.charged)
             ticket.charged = cost
+        if cost > ticket.share_charged:
+            self._add_served(ticket.group, cost - ticket.share_charged)
+            ticket.share_charged = cost
 
     def _queue_of(self, ticket: Ticket) -> FairQueue:
         # the class the user's account queues in now (where its heap entry lives), which
@@ -412,6 +508,11 @@ class Scheduler:
         acct = self._accounts[ticket.user_id]
         self._queue_of(ticket).charge(acct, actual - ticket.charged)
         ticket.charged = actual
+        # the class's share (min_share) is trued up too, or an error of the estimate at
+        # dispatch would count as service the class never got (or did not pay for)
+        self._add_served(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
+        ticket.share_charged = actual
+        self._learn_output(ticket, out)
         now = self._clock()
         tokens_delta = prompt + out - ticket.reserved_tokens
         for lim in (self._user_limits.get(ticket.user_id), self._group_limits.get(ticket.group)):
@@ -479,6 +580,7 @@ class Scheduler:
             inflight_by_group[t.group] = inflight_by_group.get(t.group, 0) + 1
         return {
             "inflight": len(self.inflight),
+            "capacity": self.capacity,
             "inflight_tokens": self.inflight_tokens,
             "queued": self.queued,
             "groups": [

@@ -57,6 +57,8 @@ class Ticket:
         enqueued_at, admitted_at: clock readings (seconds).
         deadline: clock reading after which a queued ticket times out.
         charged: cost (token units, before division by the user's weight) charged so far.
+        share_charged: cost counted so far toward its class's share (``min_share``): an
+            estimate from the user's past output at dispatch, real counts later.
         output_tokens: output tokens reported so far.
         state: see :class:`TicketState`.
         refusal: set when the state is REFUSED.
@@ -72,6 +74,7 @@ class Ticket:
     deadline: float
     admitted_at: float | None = None
     charged: float = 0.0
+    share_charged: float = 0.0
     output_tokens: int = 0
     state: TicketState = TicketState.QUEUED
     refusal: Refused | None = None

@@ -1,0 +1,259 @@
+"""Process plumbing shared by the benchmarks: start the fake upstream, the proxy and nginx
+as their own processes on 127.0.0.1, and read their CPU time and memory from /proc.
+
+Every process started here is stopped by :func:`stop` (SIGTERM, then SIGKILL); nothing
+listens on anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# API keys of the bench config: (key, user, group, weight)
+USERS = [
+    ("sk-bench-alice", "alice", "platinum", 3.0),
+    ("sk-bench-bob", "bob", "platinum", 1.0),
+    ("sk-bench-carol", "carol", "gold", 1.0),
+    ("sk-bench-dave", "dave", "bronze", 1.0),
+]
+KEYS = [(k, w) for k, _, _, w in USERS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raise_nofile() -> int:
+    """Raise this process's open-files soft limit to its hard limit (children inherit
+    it). Returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _wait_line(proc: subprocess.Popen, mark: str, timeout_s: float, what: str, log: Path | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stop(proc)
+                raise RuntimeError(f"{what} not ready in {timeout_s} s" + (f": {log.read_text()[-2000:]}" if log else ""))
+            if not sel.select(left):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait()
+                raise RuntimeError(f"{what} exited with {proc.returncode}" + (f": {log.read_text()[-2000:]}" if log else ""))
+            if mark in line:
+                return
+
+
+def _popen(cmd: list[str], log: Path, cpus: set[int] | None) -> subprocess.Popen:
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, text=True,
+            preexec_fn=pin, start_new_session=True,
+        )
+
+
+def start_fake_upstream(port: int, workdir: Path, ttft_s: float = 0.0, itl_s: float = 0.0, cpus: set[int] | None = None) -> subprocess.Popen:
+    """``python -m bench.fake_upstream`` on 127.0.0.1:``port``; returns once it listens."""
+    log = workdir / f"fake-upstream-{port}.log"
+    cmd = [sys.executable, "-m", "bench.fake_upstream", "--port", str(port), "--ttft-s", str(ttft_s), "--itl-s", str(itl_s)]
+    proc = _popen(cmd, log, cpus)
+    _wait_line(proc, "fake upstream ready", 30, "fake upstream", log)
+    return proc
+
+
+def write_proxy_config(path: Path, upstream_url: str, max_inflight: int = 4096, max_queue: int = 10000) -> Path:
+    """A config with four users in three groups (API keys :data:`USERS`)."""
+    groups: dict[str, list] = {}
+    for key, user, group, weight in USERS:
+        groups.setdefault(group, []).append(f"      - {{id: {user}, weight: {weight}, api_key: {key}}}")
+    lines = [
+        "upstream:",
+        f'  url: "{upstream_url}"',
+        "  kind: openai",
+        "admission:",
+        f"  max_inflight: {max_inflight}",
+        f"  max_queue: {max_queue}",
+        "  queue_timeout_s: 30",
+        "default_group: bronze",
+        "groups:",
+    ]
+    for name in ("platinum", "gold", "bronze"):
+        lines.append(f"  - name: {name}")
+        lines.append("    users:")
+        lines += groups.get(name, [])
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_proxy(config: Path, port: int, upstream_url: str, workdir: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+    """``python -m proxy proxy`` on 127.0.0.1:``port`` (its log, access lines included,
+    goes to a file, as under a supervisor); returns once it listens."""
+    log = workdir / f"proxy-{port}.log"
+    cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream_url, "--no-watch"]
+    proc = _popen(cmd, log, cpus)
+    proc.log_path = log  # type: ignore[attr-defined]
+    _wait_line(proc, "llm-qos proxy ready on", 60, "proxy", log)
+    return proc
+
+
+def nginx_binary() -> str | None:
+    for p in (shutil.which("nginx"), "/usr/sbin/nginx"):
+        if p and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+NGINX_CONF = """\
+daemon off;
+master_process on;
+worker_processes 1;
+{user}
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+worker_rlimit_nofile {nofile};
+events {{ worker_connections {conns}; multi_accept on; }}
+http {{
+  access_log {dir}/access.log;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  upstream llm {{ server 127.0.0.1:{upstream_port}; keepalive 1024; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    keepalive_requests 1000000;
+    location / {{
+      proxy_pass http://llm;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 300s;
+    }}
+  }}
+}}
+"""
+
+
+class Nginx:
+    """nginx as a plain streaming reverse proxy (``proxy_buffering off``, one worker,
+    keep-alive to the upstream, one access-log line per request)."""
+
+    def __init__(self, binary: str, port: int, upstream_port: int, workdir: Path, cpus: set[int] | None = None) -> None:
+        d = workdir / "nginx"
+        d.mkdir(parents=True, exist_ok=True)
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        conf = NGINX_CONF.format(
+            dir=d, port=port, upstream_port=upstream_port, nofile=nofile, conns=max(1024, nofile - 64),
+            user="user root;" if os.geteuid() == 0 else "",
+        )
+        (d / "nginx.conf").write_text(conf)
+        self.port = port
+        log = d / "stderr.log"
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(log, "wb") as f:
+            self.master = subprocess.Popen(
+                [binary, "-c", str(d / "nginx.conf"), "-p", str(d)], stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                preexec_fn=pin, start_new_session=True,
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if self.master.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"nginx did not start: {log.read_text()[-2000:]}")
+                time.sleep(0.05)
+        self.pids = [self.master.pid] + children(self.master.pid)
+
+    def stop(self) -> None:
+        stop(self.master)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def cpu_s(*pids: int) -> float:
+    """utime + stime of ``pids`` (their threads included), in seconds, from /proc/PID/stat."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / CLK_TCK
+
+
+def mem_kib(pid: int) -> dict:
+    """VmRSS and VmHWM (peak RSS) of ``pid`` in KiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` (SIGKILL after ``grace_s``) and reap it."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    if proc.stdout is not None:
+        proc.stdout.close()

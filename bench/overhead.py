@@ -1,0 +1,294 @@
+"""What the proxy costs on a request's path: direct vs llm-qos vs nginx, side by side.
+
+One run on one machine starts the fake upstream (``bench.fake_upstream``), the llm-qos
+proxy (``python -m proxy proxy``, its own process) and, if installed, nginx as a plain
+streaming reverse proxy (``proxy_buffering off``, one worker, keep-alive upstream), and
+measures, alternating between the three targets round by round:
+
+* p50 latency at concurrency 1 (non-streaming; "added" = target p50 - direct p50 of the
+  same round);
+* CPU per non-streaming request and per 64-token stream, from the proxy process's own
+  accounting (``utime + stime`` in ``/proc/PID/stat``, deltas over a fixed request count;
+  nginx: master + worker); per relayed chunk = per stream / 66 (64 token events, the
+  final usage event, ``[DONE]``);
+* max requests/s (closed loop, concurrency 64, non-streaming);
+* RSS after the run;
+
+then holds 10 000 idle streams through one proxy process (``bench.idle_streams``) and
+times one admission decision (``qos.Scheduler`` submit + dispatch) with 10 000 queued.
+
+The load generator (``bench.loadgen``) runs in its own processes. With ``--pin`` (the
+default on a machine with 2+ CPUs) the proxy / nginx worker gets CPU 0 and the load
+generator and the fake upstream the others, so the target never waits for the CPU its
+own clients use.
+
+    python -m bench.overhead            # full run, about 3-4 minutes on 2 cores
+    python -m bench.overhead --quick    # about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+
+from . import _harness as h
+from .loadgen import LoadPool, LoadSpec
+
+STREAM_TOKENS = 64
+STREAM_EVENTS = STREAM_TOKENS + 2  # token events, the final (usage) event, [DONE]
+STREAM_ITL_S = 0.001  # between tokens: every event is its own chunk, as from an engine
+
+TARGETS_SPEC = {
+    "added_p50_ms": 0.5,
+    "cpu_ms_per_request": 0.4,
+    "cpu_ms_per_stream": 4.0,
+    "cpu_us_per_chunk": 60.0,
+    "idle_rss_mib": 1024.0,
+    "admission_us": 20.0,
+}
+
+
+@dataclass
+class Sizes:
+    rounds: int
+    lat_requests: int
+    cpu_requests: int
+    streams: int
+    maxrps_s: float
+    idle_streams: int
+
+
+FULL = Sizes(rounds=3, lat_requests=2000, cpu_requests=5000, streams=500, maxrps_s=4.0, idle_streams=10000)
+QUICK = Sizes(rounds=1, lat_requests=800, cpu_requests=2000, streams=200, maxrps_s=2.0, idle_streams=2000)
+
+
+class Target:
+    def __init__(self, name: str, url: str, pids: list[int] | None) -> None:
+        self.name, self.url, self.pids = name, url, pids
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def admission_micro(queued: int = 10000, iters: int = 20000, users: int = 1000) -> float:
+    """Microseconds per admission decision (one ``submit`` of a request that queues, plus
+    the ``release`` that dispatches the best waiting one) with ``queued`` requests waiting,
+    spread over ``users`` users in three groups."""
+    from collections import deque
+
+    from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
+
+    groups = ("platinum", "gold", "bronze")
+    upol = {f"u{i}": UserPolicy(f"u{i}", groups[i % 3], 1.0 + i % 4) for i in range(users)}
+    inflight = 64
+    policy = SchedulerPolicy(
+        groups=tuple(GroupPolicy(g) for g in groups), default_group="bronze", users=upol,
+        max_inflight=inflight, max_queue=queued + inflight + 10, queue_timeout_s=3600.0,
+    )
+    admitted: deque = deque()
+    s = Scheduler(policy, on_admit=admitted.append)
+    for i in range(queued + inflight):
+        s.submit(f"u{i % users}", None, 50 + i % 200, 64 + i % 128)
+    assert s.queued == queued and len(admitted) == inflight
+    t0 = time.perf_counter()
+    for i in range(iters):
+        s.submit(f"u{(i * 7) % users}", None, 50 + i % 200, 64 + i % 128)
+        s.release(admitted.popleft(), None, 32 + i % 64)
+    dt = time.perf_counter() - t0
+    assert s.queued == queued
+    return dt / iters * 1e6
+
+
+def _phase(pool: LoadPool, spec: LoadSpec, target: Target, procs: int = 1) -> dict:
+    c0 = h.cpu_s(*target.pids) if target.pids else None
+    res = pool.run(replace(spec, url=target.url), procs)
+    c1 = h.cpu_s(*target.pids) if target.pids else None
+    s = res.summary()
+    s["cpu_s"] = None if c0 is None else c1 - c0
+    s["chunks"] = res.chunks
+    return s
+
+
+def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print) -> dict:
+    h.raise_nofile()
+    ncpu = len(os.sched_getaffinity(0))
+    pin = pin and ncpu >= 2
+    target_cpus = {min(os.sched_getaffinity(0))} if pin else None
+    other_cpus = (os.sched_getaffinity(0) - target_cpus) if pin else None
+    results: dict = {"sizes": sizes.__dict__, "pinned": pin, "cpus": ncpu, "python": sys.version.split()[0]}
+    with tempfile.TemporaryDirectory(prefix="llmqos-bench-") as tmp:
+        wd = Path(tmp)
+        up_port, px_port, ng_port = h.free_port(), h.free_port(), h.free_port()
+        upstream_url = f"http://127.0.0.1:{up_port}"
+        up = proxy = nginx = None
+        try:
+            up = h.start_fake_upstream(up_port, wd, cpus=other_cpus)
+            cfg = h.write_proxy_config(wd / "bench.yaml", upstream_url, max_inflight=4096, max_queue=10000)
+            proxy = h.start_proxy(cfg, px_port, upstream_url, wd, cpus=target_cpus)
+            targets = [Target("direct", upstream_url, None), Target("llm-qos", f"http://127.0.0.1:{px_port}", [proxy.pid])]
+            binary = h.nginx_binary() if use_nginx else None
+            if binary:
+                nginx = h.Nginx(binary, ng_port, up_port, wd, cpus=target_cpus)
+                targets.append(Target("nginx", f"http://127.0.0.1:{ng_port}", nginx.pids))
+                results["nginx"] = "installed"
+            else:
+                results["nginx"] = "skipped: nginx is not installed (apt-get install -y nginx)" if use_nginx else "skipped (--no-nginx)"
+                log(f"note: nginx {results['nginx']}")
+            with LoadPool(2, cpus=other_cpus) as pool:
+                base = LoadSpec(url="", keys=h.KEYS, timeout_s=30.0)
+                for t in targets:  # warm-up: connections open, code paths hot
+                    pool.run(replace(base, url=t.url, concurrency=8, requests=400, duration_s=10))
+                    pool.run(replace(base, url=t.url, concurrency=8, requests=40, duration_s=10, stream=True, max_tokens=8))
+                phases = {
+                    "lat": (replace(base, concurrency=1, requests=sizes.lat_requests, duration_s=20), 1),
+                    "cpu": (replace(base, concurrency=8, requests=sizes.cpu_requests, duration_s=30), 1),
+                    "stream": (
+                        replace(base, concurrency=16, requests=sizes.streams, duration_s=30, stream=True, max_tokens=STREAM_TOKENS, fake={"itl_s": STREAM_ITL_S}),
+                        1,
+                    ),
+                    "maxrps": (replace(base, concurrency=64, duration_s=sizes.maxrps_s), 2),
+                }
+                raw: dict = {t.name: {p: [] for p in phases} for t in targets}
+                for r in range(sizes.rounds):
+                    for pname, (spec, procs) in phases.items():
+                        order = targets[r % len(targets):] + targets[: r % len(targets)]  # alternate who goes first
+                        for t in order:
+                            s = _phase(pool, spec, t, procs)
+                            raw[t.name][pname].append(s)
+                            log(f"round {r + 1}/{sizes.rounds} {pname:6s} {t.name:8s} ok={s['ok']:6d} req/s={s['req_per_s']:8.1f} "
+                                f"p50={s['p50_ms']}ms p99={s['p99_ms']}ms errors={s['errors'] or '-'}"
+                                + ("" if s["cpu_s"] is None else f" cpu={s['cpu_s']:.2f}s"))
+            rows = {}
+            for t in targets:
+                d = raw[t.name]
+                row = {
+                    "p50_ms_c1": _median([s["p50_ms"] for s in d["lat"]]),
+                    "p99_ms_c1": _median([s["p99_ms"] for s in d["lat"]]),
+                    "added_p50_ms": None if t.name == "direct" else _median(
+                        [s["p50_ms"] - dd["p50_ms"] for s, dd in zip(d["lat"], raw["direct"]["lat"])]
+                    ),
+                    "max_req_per_s": _median([s["req_per_s"] for s in d["maxrps"]]),
+                    "stream_ttft_p50_ms": _median([s["ttft_p50_ms"] for s in d["stream"]]),
+                    "errors": sum(sum(s["errors"].values()) for p in d.values() for s in p),
+                }
+                if t.pids:
+                    row["cpu_ms_per_request"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["cpu"] if s["ok"]])
+                    row["cpu_ms_per_stream"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["stream"] if s["ok"]])
+                    row["cpu_us_per_chunk"] = None if row["cpu_ms_per_stream"] is None else row["cpu_ms_per_stream"] * 1000 / STREAM_EVENTS
+                    row["rss_mib"] = round(sum(h.mem_kib(p)["VmRSS"] for p in t.pids) / 1024, 1)
+                rows[t.name] = row
+            results["rows"] = rows
+        finally:
+            h.stop(proxy)
+            if nginx is not None:
+                nginx.stop()
+            h.stop(up)
+    if idle:
+        from .idle_streams import run as idle_run
+
+        log(f"idle streams: opening {sizes.idle_streams} through one proxy process ...")
+        results["idle"] = idle_run(streams=sizes.idle_streams)
+    results["admission_us"] = admission_micro()
+    return results
+
+
+def _fmt(v, nd=2) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| target | p50 c=1 (ms) | added p50 (ms) | CPU / request (ms) | CPU / 64-token stream (ms) | CPU / chunk (µs) | max req/s | RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["rows"].items():
+        lines.append(
+            f"| {name} | {_fmt(r['p50_ms_c1'], 3)} | {_fmt(r['added_p50_ms'], 3)} | {_fmt(r.get('cpu_ms_per_request'), 3)} | "
+            f"{_fmt(r.get('cpu_ms_per_stream'))} | {_fmt(r.get('cpu_us_per_chunk'), 1)} | {_fmt(r['max_req_per_s'], 0)} | {_fmt(r.get('rss_mib'), 1)} |"
+        )
+    out = "\n".join(lines)
+    idle = results.get("idle")
+    if idle:
+        extra = "" if idle["streams_held"] == idle["streams_requested"] else (
+            f" (open-files limit {idle['nofile_limit']}: 2 sockets per stream; {idle['kib_per_stream']} KiB/stream"
+            f" -> {idle['rss_mib_at_target']} MiB at {idle['streams_requested']})"
+        )
+        out += (
+            f"\n\nidle streams: {idle['streams_held']} held by one proxy process: RSS {idle['rss_mib']} MiB "
+            f"(baseline {idle['baseline_rss_mib']} MiB){extra}; all {idle['aborted_upstream']} upstream requests aborted "
+            f"{idle['abort_s']} s after the clients left"
+        )
+    out += f"\nadmission decision (qos.Scheduler submit + dispatch, 10 000 queued): {results['admission_us']:.1f} µs"
+    return out
+
+
+def verdict(results: dict) -> list[str]:
+    r = results["rows"]["llm-qos"]
+    idle = results.get("idle")
+    checks = [
+        ("added p50 at concurrency 1", r["added_p50_ms"], TARGETS_SPEC["added_p50_ms"], "ms"),
+        ("CPU per non-streaming request", r["cpu_ms_per_request"], TARGETS_SPEC["cpu_ms_per_request"], "ms"),
+        ("CPU per 64-token stream", r["cpu_ms_per_stream"], TARGETS_SPEC["cpu_ms_per_stream"], "ms"),
+        ("CPU per relayed chunk", r["cpu_us_per_chunk"], TARGETS_SPEC["cpu_us_per_chunk"], "µs"),
+        ("RSS with 10 000 idle streams", idle and idle["rss_mib_at_target"], TARGETS_SPEC["idle_rss_mib"], "MiB"),
+        ("admission decision at 10 000 queued", results["admission_us"], TARGETS_SPEC["admission_us"], "µs"),
+    ]
+    out = []
+    for what, v, limit, unit in checks:
+        if v is None:
+            out.append(f"  {what}: not measured")
+        else:
+            out.append(f"  {'PASS' if v <= limit else 'FAIL'} {what}: {v:.3g} {unit} (target <= {limit:g} {unit})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round, fewer requests, 2 000 idle streams (about 1 minute)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the target to its own CPU")
+    ap.add_argument("--no-nginx", dest="nginx", action="store_false")
+    ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle-streams measurement")
+    ap.add_argument("--idle-streams", type=int, default=None)
+    ap.add_argument("--json", default=None, help="also write the raw results to this file")
+    a = ap.parse_args(argv)
+    sizes = QUICK if a.quick else FULL
+    if a.rounds:
+        sizes = replace(sizes, rounds=a.rounds)
+    if a.idle_streams:
+        sizes = replace(sizes, idle_streams=a.idle_streams)
+    t0 = time.monotonic()
+    results = measure(sizes, a.pin, a.nginx, a.idle, log=lambda s: print(s, file=sys.stderr, flush=True))
+    results["wall_s"] = round(time.monotonic() - t0, 1)
+    print()
+    print(f"llm-qos overhead, {results['cpus']} CPUs, Python {results['python']}, "
+          f"{'target pinned to CPU 0, load + upstream on the rest' if results['pinned'] else 'unpinned'}, "
+          f"{sizes.rounds} round(s) (medians), {results['wall_s']} s")
+    if not results["nginx"].startswith("installed"):
+        print(f"nginx: {results['nginx']}")
+    print()
+    print(table(results))
+    print()
+    print("targets:")
+    print("\n".join(verdict(results)))
+    if a.json:
+        Path(a.json).write_text(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
