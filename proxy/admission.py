@@ -38,7 +38,7 @@ class Admission:
     def _refuse(ticket: Ticket) -> None:
         fut = ticket.context
         if fut is not None and not fut.done():
-            fut.set_exception(ticket.refusal)
+            fut.set_exception(_fresh(ticket.refusal))
 
     async def acquire(self, user_id: str, group: str | None, prompt_tokens: int, max_tokens: int | None) -> Ticket:
         """Wait until the request may go upstream.
@@ -67,17 +67,17 @@ class Admission:
             async with asyncio.timeout_at(self._loop_deadline(ticket)):
                 await fut
         except TimeoutError:
-            if sched.cancel(ticket, RefusalReason.TIMEOUT):
-                raise ticket.refusal from None
-            if ticket.state is TicketState.REFUSED:
-                raise ticket.refusal from None
+            if sched.cancel(ticket, RefusalReason.TIMEOUT) or ticket.state is TicketState.REFUSED:
+                raise _fresh(ticket.refusal) from None
             return ticket  # admitted in the same instant the deadline passed
         except BaseException:
             if not sched.cancel(ticket) and ticket.state is TicketState.ADMITTED:
                 sched.release(ticket)
             raise
         finally:
-            ticket.context = None
+            # no reference cycle (future -> exception -> traceback -> this frame -> future)
+            # left for the garbage collector: refused requests are freed at once
+            ticket.context = fut = None
         return ticket
 
     def _loop_deadline(self, ticket: Ticket) -> float:
@@ -95,6 +95,12 @@ class Admission:
     def close(self) -> None:
         """Refuse everything queued (503) and every later request."""
         self.scheduler.close()
+
+
+def _fresh(refusal: Refused) -> Refused:
+    """A new exception carrying ``refusal``'s reason: the ticket's own stays free of
+    tracebacks (which would tie the ticket to the frames that raised it)."""
+    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail)
 
 
 __all__ = ["Admission", "Refused", "RefusalReason"]

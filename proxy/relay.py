@@ -176,11 +176,6 @@ def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
 _UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
 
 
-class ClientTooSlow(ConnectionResetError):
-    """The client did not read the stream for ``client_write_timeout_s``: it is treated
-    like a client that went away (its upstream request is aborted)."""
-
-
 async def relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
@@ -200,11 +195,13 @@ async def relay_stream(
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
 
     Returns:
-        The finished stream response. ``ex.outcome`` is ``ok`` or ``upstream_error``.
+        The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (the client got
+        a terminal error event), or ``client_disconnected`` (a write failed, or the client
+        read nothing for ``write_timeout_s`` and its connection was dropped); the caller
+        aborts the upstream unless it is ``ok``.
 
     Raises:
-        ConnectionResetError, asyncio.CancelledError: the client went away (or stopped
-            reading: :class:`ClientTooSlow`); the caller aborts the upstream.
+        asyncio.CancelledError: the client disconnected (aiohttp cancelled the handler).
     """
     loop = asyncio.get_running_loop()
     resp = web.StreamResponse(status=200, headers=STREAM_HEADERS)
@@ -212,39 +209,49 @@ async def relay_stream(
     scanner = SSEScanner(native)
     watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
-        async for chunk in upstream.content.iter_any():
-            if ex.first_byte_at is None:
-                ex.first_byte_at = loop.time()
-            watchdog.pending_since = loop.time()
-            await resp.write(chunk)  # waits while the client's socket is full
-            watchdog.pending_since = None
-            before = scanner.tokens
-            scanner.feed(chunk)
-            if scanner.tokens != before:
-                ex.output_tokens = scanner.tokens
-                on_progress(scanner.tokens)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if ex.first_byte_at is None:
+                    ex.first_byte_at = loop.time()
+                watchdog.pending_since = loop.time()
+                await resp.write(chunk)  # waits while the client's socket is full
+                watchdog.pending_since = None
+                before = scanner.tokens
+                scanner.feed(chunk)
+                if scanner.tokens != before:
+                    ex.output_tokens = scanner.tokens
+                    on_progress(scanner.tokens)
+        except _UPSTREAM_FAILURES as e:
+            _take_counts(ex, scanner)
+            ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
+            ending = sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken")
+        else:
+            _take_counts(ex, scanner)
+            pad = b"\n\n" if scanner.partial else b""
+            if native and not scanner.finished:
+                ex.outcome, ex.detail = "upstream_error", "native stream ended without finished:true"
+                ending = pad + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete")
+            else:
+                ex.outcome = "ok"
+                ending = b"" if native or scanner.done else pad + DONE_EVENT
+        watchdog.pending_since = loop.time()
+        if ending:
+            await resp.write(ending)
+        await resp.write_eof()
+        return resp
     except asyncio.CancelledError:
-        if watchdog.fired:
-            asyncio.current_task().uncancel()
-            raise ClientTooSlow(f"the client read nothing for {write_timeout_s:g} s") from None
-        raise
-    except _UPSTREAM_FAILURES as e:
-        _take_counts(ex, scanner)
-        ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
-        await resp.write(sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken"))
+        if not watchdog.fired:
+            raise  # the client disconnected (aiohttp cancels the handler)
+        asyncio.current_task().uncancel()
+        ex.outcome, ex.detail = "client_disconnected", f"the client read nothing for {write_timeout_s:g} s"
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    except ConnectionResetError:
+        ex.outcome, ex.detail = "client_disconnected", "the client disconnected mid-stream"
         return resp
     finally:
         watchdog.stop()
-    _take_counts(ex, scanner)
-    if native and not scanner.finished:
-        ex.outcome, ex.detail = "upstream_error", "native stream ended without finished:true"
-        await resp.write((b"\n\n" if scanner.partial else b"") + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete"))
-        return resp
-    if not native and not scanner.done:
-        await resp.write((b"\n\n" if scanner.partial else b"") + DONE_EVENT)
-    await resp.write_eof()
-    ex.outcome = "ok"
-    return resp
 
 
 class _WriteWatchdog:
