@@ -65,6 +65,11 @@ class LoadSignalConfig(_Model):
 class UpstreamConfig(_Model):
     """Where requests go.
 
+    ``stream_non_streaming``: ask the upstream to stream even when the client did not,
+    and assemble the answer in the proxy (:mod:`proxy.assemble`), so that a client that
+    leaves a non-streaming request aborts the generation on engines that abort only
+    streams (``transformers serve``).
+
     ``kind`` selects protocol quirks: ``openai`` (vLLM, SGLang, transformers serve, hosted
     APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential
     for the upstream; clients' keys are never forwarded. ``load_signal``: see
@@ -80,6 +85,7 @@ class UpstreamConfig(_Model):
     idle_timeout_s: PositiveFloat = 300.0
     keepalive_timeout_s: PositiveFloat = 4.0
     max_connections: int = Field(default=0, ge=0)
+    stream_non_streaming: bool = False
     load_signal: LoadSignalConfig = LoadSignalConfig()
 
     @field_validator("url")

@@ -27,6 +27,7 @@ from aiohttp import web
 from qos import RefusalReason, Refused
 
 from . import metrics as m
+from .assemble import relay_assembled, stream_request_body
 from .errors import error_response
 from .relay import Exchange, relay_body, relay_stream
 from .request_body import BadRequest, ParsedRequest, cap_max_tokens, parse_chat, parse_completion, parse_generate
@@ -90,9 +91,10 @@ async def handle_generation(
     state.metrics.queue_wait.labels(group).observe(queue_wait)
     upstream = None
     clean = False
+    assemble = not native and not parsed.stream and active.config.upstream.stream_non_streaming
     try:
         try:
-            upstream = await state.upstream.open("POST", path, parsed.body)
+            upstream = await state.upstream.open("POST", path, stream_request_body(parsed.fields) if assemble else parsed.body)
         except UpstreamError as e:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
             return error_response(e.status, e.message, code=e.code)
@@ -105,7 +107,10 @@ async def handle_generation(
                 ex.outcome, clean = m.OUTCOME_BAD_REQUEST, True  # read in full: nothing to abort
                 return error_response(400, _message_of(body), code="invalid_request")
             try:
-                resp = await relay_body(upstream, ex, native=native)
+                if assemble and upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    resp = await relay_assembled(upstream, ex, chat=path == "/v1/chat/completions")
+                else:
+                    resp = await relay_body(upstream, ex, native=native)
             except (aiohttp.ClientError, TimeoutError) as e:
                 ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
                 return error_response(502, "the upstream failed while sending its answer", code="upstream_error")

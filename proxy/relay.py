@@ -60,6 +60,23 @@ class Exchange:
     detail: str = ""
 
 
+def sse_payloads(buf: bytearray) -> list[bytes]:
+    """Remove the complete events from ``buf`` and return their ``data:`` payloads
+    (stripped; ``[DONE]`` and events without data left out)."""
+    out = []
+    start = 0
+    for m in _EVENT_END.finditer(buf):
+        ev = bytes(buf[start : m.start()]).lstrip()
+        start = m.end()
+        if ev.startswith(b"data:"):
+            payload = ev[5:].strip()
+            if payload and payload != b"[DONE]":
+                out.append(payload)
+    if start:
+        del buf[:start]
+    return out
+
+
 class SSEScanner:
     """Follows SSE events across arbitrary chunk boundaries.
 
@@ -91,6 +108,21 @@ class SSEScanner:
     def feed(self, chunk: bytes) -> None:
         """Scan ``chunk``; complete events update the counters."""
         buf = self._buf
+        if (
+            not buf
+            and not self.native
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+            and b'"usage"' not in chunk
+            and b"[DONE]" not in chunk
+        ):
+            # the common case, whole events and nothing to parse: count the data events
+            # without copying (same result as the general path below, a third of its cost)
+            if chunk.count(b"\n\n") == 1:
+                self.tokens += chunk.lstrip().startswith(b"data:")
+            else:
+                self.tokens += sum(1 for ev in chunk.split(b"\n\n") if ev.lstrip().startswith(b"data:"))
+            return
         buf += chunk
         start = 0
         for m in _EVENT_END.finditer(buf):

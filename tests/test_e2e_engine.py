@@ -26,7 +26,7 @@ def proxied(cpu_engine, tmp_path_factory):  # noqa: F811
     proc, engine_url = cpu_engine
     model = re.search(r"model=([^)\s,]+)", proc.ready_line).group(1)
     cfg = {
-        "upstream": {"url": engine_url, "kind": "openai"},
+        "upstream": {"url": engine_url, "kind": "openai", "stream_non_streaming": True},
         "admission": {"max_inflight": 2, "max_queue": 50, "queue_timeout_s": 120},
         "default_group": "bronze",
         "groups": [

@@ -1,0 +1,202 @@
+"""Assemble a non-streaming OpenAI answer from the upstream's stream.
+
+With ``upstream.stream_non_streaming: true`` the proxy asks the upstream to stream every
+request and rebuilds the whole answer for clients that did not ask for a stream. Why: some
+engines abort a generation when its connection closes only while streaming (the bundled
+CPU engine, ``transformers serve``, finishes a non-streamed generation whose client left;
+``shared/interop/cpu-engine.md``). Streaming upstream makes a departed client's abort
+reach the engine in that window too.
+
+Every field the upstream sends is kept: the first chunk's top-level fields; per choice,
+the concatenated ``content`` / ``refusal`` / ``reasoning_content`` (chat) or ``text``
+(completions), ``tool_calls`` merged by their ``index`` (ids, names and argument
+fragments joined, as the OpenAI streaming format splits them), ``logprobs`` lists joined,
+the last non-null ``finish_reason``, any other choice field as last seen; and ``usage``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_TEXT_FIELDS = ("content", "refusal", "reasoning_content")
+
+
+def stream_request_body(fields: dict) -> bytes:
+    """The body to send upstream instead: the client's with ``stream: true`` and
+    ``stream_options.include_usage: true`` (so the real token counts come back)."""
+    out = dict(fields)
+    out["stream"] = True
+    opts = dict(out.get("stream_options") or {})
+    opts["include_usage"] = True
+    out["stream_options"] = opts
+    return orjson.dumps(out)
+
+
+class Assembler:
+    """Folds the stream's ``data:`` payloads (parsed JSON objects) into one answer.
+
+    Args:
+        chat: True for ``/v1/chat/completions``, False for ``/v1/completions``.
+    """
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.top: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict | None = None
+
+    def add(self, chunk: Any) -> None:
+        """Fold one parsed chunk in; anything that is not an object is ignored."""
+        if not isinstance(chunk, dict):
+            return
+        for k, v in chunk.items():
+            if k == "choices":
+                continue
+            if k == "usage":
+                if isinstance(v, dict):
+                    self.usage = v
+                continue
+            self.top.setdefault(k, v)
+        for ch in chunk.get("choices") or ():
+            if isinstance(ch, dict):
+                self._choice(ch)
+
+    def _choice(self, ch: dict) -> None:
+        idx = ch.get("index", 0)
+        idx = idx if isinstance(idx, int) else 0
+        acc = self.choices.setdefault(idx, {"index": idx, "finish_reason": None, "_tools": {}, "_text": {}, "_logprobs": None})
+        for k, v in ch.items():
+            if k in ("index", "delta", "text", "logprobs"):
+                continue
+            if k == "finish_reason":
+                if v is not None:
+                    acc["finish_reason"] = v
+                continue
+            acc[k] = v
+        if self.chat:
+            delta = ch.get("delta")
+            if isinstance(delta, dict):
+                self._delta(acc, delta)
+        elif isinstance(ch.get("text"), str):
+            acc["_text"]["text"] = acc["_text"].get("text", "") + ch["text"]
+        lp = ch.get("logprobs")
+        if isinstance(lp, dict):
+            acc["_logprobs"] = _merge_logprobs(acc["_logprobs"], lp)
+
+    def _delta(self, acc: dict, delta: dict) -> None:
+        for k, v in delta.items():
+            if k in _TEXT_FIELDS and isinstance(v, str):
+                acc["_text"][k] = acc["_text"].get(k, "") + v
+            elif k == "tool_calls" and isinstance(v, list):
+                for tc in v:
+                    if isinstance(tc, dict):
+                        _merge_tool_call(acc["_tools"], tc)
+            elif k == "role":
+                acc.setdefault("_role", v)
+            elif v is not None:
+                acc.setdefault("_extra", {})[k] = v
+
+    def result(self) -> dict:
+        """The assembled ``chat.completion`` / ``text_completion`` object."""
+        out = dict(self.top)
+        out["object"] = "chat.completion" if self.chat else "text_completion"
+        choices = []
+        for idx in sorted(self.choices):
+            acc = dict(self.choices[idx])
+            tools, text, lp = acc.pop("_tools"), acc.pop("_text"), acc.pop("_logprobs")
+            role, extra = acc.pop("_role", "assistant"), acc.pop("_extra", {})
+            if self.chat:
+                msg: dict[str, Any] = {"role": role, "content": text.get("content")}
+                for k in ("refusal", "reasoning_content"):
+                    if k in text:
+                        msg[k] = text[k]
+                if tools:
+                    msg["tool_calls"] = [tools[i] for i in sorted(tools)]
+                msg.update(extra)
+                acc["message"] = msg
+            else:
+                acc["text"] = text.get("text", "")
+            acc["logprobs"] = lp
+            choices.append(acc)
+        out["choices"] = choices
+        if self.usage is not None:
+            out["usage"] = self.usage
+        return out
+
+
+def _merge_tool_call(tools: dict[int, dict], tc: dict) -> None:
+    i = tc.get("index", len(tools))
+    cur = tools.setdefault(i, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+    if tc.get("id"):
+        cur["id"] = tc["id"]
+    if tc.get("type"):
+        cur["type"] = tc["type"]
+    fn = tc.get("function")
+    if isinstance(fn, dict):
+        for k in ("name", "arguments"):
+            if isinstance(fn.get(k), str):
+                cur["function"][k] += fn[k]
+
+
+def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
+    if acc is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in lp.items()}
+    for k, v in lp.items():
+        if isinstance(v, list) and isinstance(acc.get(k), list):
+            acc[k].extend(v)
+        elif k not in acc or acc[k] is None:
+            acc[k] = v
+    return acc
+
+
+async def relay_assembled(upstream, ex, chat: bool):
+    """Read the upstream's SSE answer to the end and answer with the assembled JSON.
+
+    Args:
+        upstream: the upstream response (status 200, ``text/event-stream``).
+        ex: the :class:`proxy.relay.Exchange`; token counts and outcome are set.
+        chat: chat completions (True) or text completions (False).
+
+    Returns:
+        An aiohttp JSON response.
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: the upstream broke before the end (the caller
+            answers 502).
+        asyncio.CancelledError: the client went away (the caller aborts the upstream,
+            which now aborts the generation).
+    """
+    import asyncio
+
+    from aiohttp import web
+
+    from .relay import sse_payloads
+
+    asm = Assembler(chat)
+    events = 0
+    buf = bytearray()
+    async for chunk in upstream.content.iter_any():
+        buf += chunk
+        for payload in sse_payloads(buf):
+            try:
+                asm.add(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                continue
+            events += 1
+    buf += b"\n\n"  # an unterminated last event
+    for payload in sse_payloads(buf):
+        try:
+            asm.add(orjson.loads(payload))
+            events += 1
+        except orjson.JSONDecodeError:
+            pass
+    ex.first_byte_at = asyncio.get_running_loop().time()
+    body = asm.result()
+    usage = body.get("usage") or {}
+    out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    ex.output_tokens = out if isinstance(out, int) else events
+    ex.prompt_tokens = prompt if isinstance(prompt, int) else None
+    ex.outcome = "ok"
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
