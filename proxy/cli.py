@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 from importlib import resources
-from pathlib import Path
 
 DEFAULT_CONFIG = "default_config.yaml"
 

@@ -21,6 +21,15 @@ from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
+def _secret(value: str | None, env_name: str | None) -> str | None:
+    """``value`` if set, else the non-empty environment variable ``env_name``, else None."""
+    if value:
+        return value
+    if env_name:
+        return os.environ.get(env_name) or None
+    return None
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -97,11 +106,7 @@ class UpstreamConfig(_Model):
 
     def credential(self) -> str | None:
         """The upstream API key: ``api_key``, else the variable named by ``api_key_env``."""
-        if self.api_key:
-            return self.api_key
-        if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
-        return None
+        return _secret(self.api_key, self.api_key_env)
 
 
 class AdmissionConfig(_Model):
@@ -142,11 +147,8 @@ class AdminConfig(_Model):
     api_key_env: str | None = "LLM_QOS_ADMIN_KEY"
 
     def credential(self) -> str | None:
-        if self.api_key:
-            return self.api_key
-        if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
-        return None
+        """The admin key: ``api_key``, else the variable named by ``api_key_env``."""
+        return _secret(self.api_key, self.api_key_env)
 
 
 class LimitsConfig(_Model):

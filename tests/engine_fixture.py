@@ -11,17 +11,17 @@ a temporary log file (its path is ``process.log_path``); stdout carries only the
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.proc_util import die_with_parent, wait_for_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_MARK = "engine ready at "
@@ -66,27 +66,16 @@ def start_cpu_engine(
            "--port", str(port), *(extra_args or [])]
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=log_file, text=True, bufsize=1,
+        stderr=log_file, text=True, bufsize=1, preexec_fn=die_with_parent,
     )
     log_file.close()
     proc.log_path = log_path  # type: ignore[attr-defined]
-    deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stop_engine(proc)
-                raise RuntimeError(f"engine not ready in {timeout_s} s; log:\n{_tail(log_path)}")
-            if not sel.select(remaining):
-                continue
-            line = proc.stdout.readline()
-            if not line:  # EOF: the engine process exited
-                proc.wait()
-                raise RuntimeError(f"engine exited with {proc.returncode}; log:\n{_tail(log_path)}")
-            if line.startswith(READY_MARK):
-                proc.ready_line = line.strip()  # type: ignore[attr-defined]
-                return proc, f"http://127.0.0.1:{port}"
+    try:
+        proc.ready_line = wait_for_line(proc, READY_MARK, timeout_s, "engine", lambda: _tail(log_path))  # type: ignore[attr-defined]
+    except RuntimeError:
+        stop_engine(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_engine(proc: subprocess.Popen, grace_s: float = DEFAULT_GRACE_S) -> int:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tests.proc_util import die_with_parent
+from tests.proc_util import die_with_parent, wait_for_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_MARK = "llm-qos proxy ready on "
@@ -37,22 +35,12 @@ def start_proxy(
     )
     log.close()
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
-    deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stop_proxy(proc)
-                raise RuntimeError(f"proxy not ready in {timeout_s} s: {proc.log_path.read_text()[-3000:]}")
-            if not sel.select(remaining):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                proc.wait()
-                raise RuntimeError(f"proxy exited with {proc.returncode}: {proc.log_path.read_text()[-3000:]}")
-            if line.startswith(READY_MARK):
-                return proc
+    try:
+        wait_for_line(proc, READY_MARK, timeout_s, "proxy", lambda: proc.log_path.read_text()[-3000:])
+    except RuntimeError:
+        stop_proxy(proc)
+        raise
+    return proc
 
 
 def stop_proxy(proc: subprocess.Popen, grace_s: float = 40.0) -> int:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
