@@ -48,9 +48,9 @@ def raise_nofile() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _env() -> dict:
+def _env(src: Path = REPO_ROOT) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
     return env
 
 
@@ -73,14 +73,14 @@ def _wait_line(proc: subprocess.Popen, mark: str, timeout_s: float, what: str, l
                 return
 
 
-def _popen(cmd: list[str], log: Path, cpus: set[int] | None) -> subprocess.Popen:
+def _popen(cmd: list[str], log: Path, cpus: set[int] | None, src: Path = REPO_ROOT) -> subprocess.Popen:
     def pin() -> None:
         if cpus:
             os.sched_setaffinity(0, cpus)
 
     with open(log, "wb") as f:
         return subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, text=True,
+            cmd, cwd=src, env=_env(src), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, text=True,
             preexec_fn=pin, start_new_session=True,
         )
 
@@ -118,12 +118,15 @@ def write_proxy_config(path: Path, upstream_url: str, max_inflight: int = 4096, 
     return path
 
 
-def start_proxy(config: Path, port: int, upstream_url: str, workdir: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+def start_proxy(
+    config: Path, port: int, upstream_url: str, workdir: Path, cpus: set[int] | None = None, src: Path | None = None
+) -> subprocess.Popen:
     """``python -m proxy proxy`` on 127.0.0.1:``port`` (its log, access lines included,
-    goes to a file, as under a supervisor); returns once it listens."""
+    goes to a file, as under a supervisor); returns once it listens. ``src``: run the
+    proxy package of another checkout (before/after comparisons)."""
     log = workdir / f"proxy-{port}.log"
     cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream_url, "--no-watch"]
-    proc = _popen(cmd, log, cpus)
+    proc = _popen(cmd, log, cpus, Path(src) if src else REPO_ROOT)
     proc.log_path = log  # type: ignore[attr-defined]
     _wait_line(proc, "llm-qos proxy ready on", 60, "proxy", log)
     return proc
@@ -236,6 +239,15 @@ def mem_kib(pid: int) -> dict:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 out[line.split(":")[0]] = int(line.split()[1])
     return out
+
+
+def set_affinity(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
 
 
 def open_fds(pid: int) -> int:

@@ -96,7 +96,9 @@ async def _hold(proxy_url: str, upstream_url: str, n: int, hold_s: float, batch:
     return result
 
 
-def run(streams: int = 10000, hold_s: float = 120.0, batch: int = 500, timeout_s: float = 150.0, workdir: Path | None = None) -> dict:
+def run(
+    streams: int = 10000, hold_s: float = 120.0, batch: int = 120, timeout_s: float = 150.0, workdir: Path | None = None, proxy_src: str | None = None
+) -> dict:
     """Run the measurement; returns a dict (``rss_mib``, ``rss_mib_at_target``, ...)."""
     limit = h.raise_nofile()
     tmp = tempfile.TemporaryDirectory(prefix="llmqos-idle-") if workdir is None else None
@@ -107,7 +109,7 @@ def run(streams: int = 10000, hold_s: float = 120.0, batch: int = 500, timeout_s
         upstream_url, proxy_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{px_port}"
         up = h.start_fake_upstream(up_port, wd)
         cfg = h.write_proxy_config(wd / "idle.yaml", upstream_url, max_inflight=streams + 100, max_queue=streams + 100)
-        proxy = h.start_proxy(cfg, px_port, upstream_url, wd)
+        proxy = h.start_proxy(cfg, px_port, upstream_url, wd, src=proxy_src)
         # a few ordinary requests first, so the baseline is a warm process
         import uvloop
 
@@ -143,10 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=10000)
     ap.add_argument("--hold-s", type=float, default=120.0, help="upstream time to first token (the streams' idle time, at most)")
-    ap.add_argument("--batch", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=120, help="streams opened at once (the fake upstream listens with a backlog of 128)")
+    ap.add_argument("--proxy-src", default=None, help="run the proxy from another checkout")
     ap.add_argument("--timeout-s", type=float, default=150.0, help="give up opening streams after this long")
     a = ap.parse_args(argv)
-    print(orjson.dumps(run(a.streams, a.hold_s, a.batch, a.timeout_s), option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(run(a.streams, a.hold_s, a.batch, a.timeout_s, proxy_src=a.proxy_src), option=orjson.OPT_INDENT_2).decode())
 
 
 if __name__ == "__main__":

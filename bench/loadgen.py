@@ -51,6 +51,7 @@ class LoadSpec:
         warmup: requests sent (and not counted) before the measured run.
         seed: seed of the key draw.
         prompt: the user message.
+        cpus: pin the load process(es) to these CPUs for this run (``None``: leave as is).
     """
 
     url: str
@@ -67,6 +68,7 @@ class LoadSpec:
     warmup: int = 0
     seed: int = 1
     prompt: str = "Say something short."
+    cpus: list | None = None
 
 
 @dataclass
@@ -263,6 +265,10 @@ async def run_load(spec: LoadSpec) -> LoadResult:
 
 
 def _run_in_process(spec: LoadSpec) -> dict:
+    if spec.cpus:
+        import os
+
+        os.sched_setaffinity(0, set(spec.cpus))
     try:
         import uvloop
 
@@ -308,9 +314,17 @@ class LoadPool:
         self._pool = mp.get_context("spawn").Pool(procs, initializer=_pin, initargs=(cpus,))
 
     def run(self, spec: LoadSpec, procs: int | None = None) -> LoadResult:
+        """Run ``spec`` split over the pool's processes; waits at most the run's own
+        bounds plus two minutes, then gives up (``RuntimeError``)."""
         parts = split(spec, min(procs or self.procs, self.procs))
+        limit = spec.duration_s + spec.timeout_s + 120.0
+        try:
+            done = self._pool.map_async(_run_in_process, parts).get(timeout=limit)
+        except mp.TimeoutError:
+            self._pool.terminate()
+            raise RuntimeError(f"the load processes did not finish within {limit:g} s") from None
         merged = LoadResult()
-        for d in self._pool.map(_run_in_process, parts):
+        for d in done:
             merged.merge(LoadResult(**d))
         return merged
 
@@ -321,8 +335,12 @@ class LoadPool:
     def __enter__(self) -> "LoadPool":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._pool.terminate()
+            self._pool.join()
 
 
 def run_load_procs(spec: LoadSpec, procs: int = 1) -> LoadResult:

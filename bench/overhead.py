@@ -17,10 +17,11 @@ measures, alternating between the three targets round by round:
 then holds 10 000 idle streams through one proxy process (``bench.idle_streams``) and
 times one admission decision (``qos.Scheduler`` submit + dispatch) with 10 000 queued.
 
-The load generator (``bench.loadgen``) runs in its own processes. With ``--pin`` (the
-default on a machine with 2+ CPUs) the proxy / nginx worker gets CPU 0 and the load
-generator and the fake upstream the others, so the target never waits for the CPU its
-own clients use.
+The load generator (``bench.loadgen``) runs in its own processes. The latency and
+max-req/s phases run with every process free to use every CPU (as deployed: the sidecar
+shares the machine). The CPU phases pin the proxy / nginx to CPU 0 and the load generator
+and the fake upstream to the others (on a machine with 2+ CPUs; ``--no-pin`` turns this
+off), so the target's own accounting is not inflated by fighting its clients for a core.
 
     python -m bench.overhead            # full run, about 3-4 minutes on 2 cores
     python -m bench.overhead --quick    # about 1 minute
@@ -80,10 +81,11 @@ def _median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def admission_micro(queued: int = 10000, iters: int = 20000, users: int = 1000) -> float:
-    """Microseconds per admission decision (one ``submit`` of a request that queues, plus
-    the ``release`` that dispatches the best waiting one) with ``queued`` requests waiting,
-    spread over ``users`` users in three groups."""
+def admission_micro(queued: int = 10000, iters: int = 4000, repeats: int = 5, users: int = 1000) -> float:
+    """Microseconds per admission decision with ``queued`` requests waiting (spread over
+    ``users`` users in three groups): one ``submit`` of a request that has to queue plus
+    the ``release`` that dispatches the best waiting one. The median of ``repeats`` runs
+    of ``iters`` decisions (the machine may be shared)."""
     from collections import deque
 
     from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
@@ -100,13 +102,17 @@ def admission_micro(queued: int = 10000, iters: int = 20000, users: int = 1000) 
     for i in range(queued + inflight):
         s.submit(f"u{i % users}", None, 50 + i % 200, 64 + i % 128)
     assert s.queued == queued and len(admitted) == inflight
-    t0 = time.perf_counter()
-    for i in range(iters):
-        s.submit(f"u{(i * 7) % users}", None, 50 + i % 200, 64 + i % 128)
-        s.release(admitted.popleft(), None, 32 + i % 64)
-    dt = time.perf_counter() - t0
+    runs = []
+    k = 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            k += 1
+            s.submit(f"u{(k * 7) % users}", None, 50 + k % 200, 64 + k % 128)
+            s.release(admitted.popleft(), None, 32 + k % 64)
+        runs.append((time.perf_counter() - t0) / iters * 1e6)
     assert s.queued == queued
-    return dt / iters * 1e6
+    return statistics.median(runs)
 
 
 def _phase(pool: LoadPool, spec: LoadSpec, target: Target, procs: int = 1) -> dict:
@@ -119,48 +125,63 @@ def _phase(pool: LoadPool, spec: LoadSpec, target: Target, procs: int = 1) -> di
     return s
 
 
-def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print) -> dict:
+def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, proxy_src: str | None = None) -> dict:
     h.raise_nofile()
-    ncpu = len(os.sched_getaffinity(0))
-    pin = pin and ncpu >= 2
-    target_cpus = {min(os.sched_getaffinity(0))} if pin else None
-    other_cpus = (os.sched_getaffinity(0) - target_cpus) if pin else None
-    results: dict = {"sizes": sizes.__dict__, "pinned": pin, "cpus": ncpu, "python": sys.version.split()[0]}
+    all_cpus = os.sched_getaffinity(0)
+    pin = pin and len(all_cpus) >= 2
+    target_cpus = {min(all_cpus)}
+    other_cpus = all_cpus - target_cpus
+    results: dict = {"sizes": sizes.__dict__, "pinned": pin, "cpus": len(all_cpus), "python": sys.version.split()[0],
+                     "loadavg_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="llmqos-bench-") as tmp:
         wd = Path(tmp)
         up_port, px_port, ng_port = h.free_port(), h.free_port(), h.free_port()
         upstream_url = f"http://127.0.0.1:{up_port}"
         up = proxy = nginx = None
         try:
-            up = h.start_fake_upstream(up_port, wd, cpus=other_cpus)
+            up = h.start_fake_upstream(up_port, wd)
             cfg = h.write_proxy_config(wd / "bench.yaml", upstream_url, max_inflight=4096, max_queue=10000)
-            proxy = h.start_proxy(cfg, px_port, upstream_url, wd, cpus=target_cpus)
+            proxy = h.start_proxy(cfg, px_port, upstream_url, wd, src=proxy_src)
             targets = [Target("direct", upstream_url, None), Target("llm-qos", f"http://127.0.0.1:{px_port}", [proxy.pid])]
             binary = h.nginx_binary() if use_nginx else None
             if binary:
-                nginx = h.Nginx(binary, ng_port, up_port, wd, cpus=target_cpus)
+                nginx = h.Nginx(binary, ng_port, up_port, wd)
                 targets.append(Target("nginx", f"http://127.0.0.1:{ng_port}", nginx.pids))
                 results["nginx"] = "installed"
             else:
                 results["nginx"] = "skipped: nginx is not installed (apt-get install -y nginx)" if use_nginx else "skipped (--no-nginx)"
                 log(f"note: nginx {results['nginx']}")
-            with LoadPool(2, cpus=other_cpus) as pool:
+
+            def place(pinned: bool) -> list | None:
+                """Pinned: the proxies on CPU 0, the upstream (and the load, via the
+                returned CPU list) on the others. Otherwise everything floats."""
+                for t in targets:
+                    for pid in t.pids or ():
+                        h.set_affinity(pid, target_cpus if pinned else all_cpus)
+                h.set_affinity(up.pid, other_cpus if pinned else all_cpus)
+                return sorted(other_cpus if pinned else all_cpus)
+
+            with LoadPool(2) as pool:
                 base = LoadSpec(url="", keys=h.KEYS, timeout_s=30.0)
+                place(False)
                 for t in targets:  # warm-up: connections open, code paths hot
                     pool.run(replace(base, url=t.url, concurrency=8, requests=400, duration_s=10))
                     pool.run(replace(base, url=t.url, concurrency=8, requests=40, duration_s=10, stream=True, max_tokens=8))
+                # (spec, load processes, pinned)
                 phases = {
-                    "lat": (replace(base, concurrency=1, requests=sizes.lat_requests, duration_s=20), 1),
-                    "cpu": (replace(base, concurrency=8, requests=sizes.cpu_requests, duration_s=30), 1),
+                    "lat": (replace(base, concurrency=1, requests=sizes.lat_requests, duration_s=20), 1, False),
+                    "cpu": (replace(base, concurrency=8, requests=sizes.cpu_requests, duration_s=30), 1, pin),
                     "stream": (
                         replace(base, concurrency=16, requests=sizes.streams, duration_s=30, stream=True, max_tokens=STREAM_TOKENS, fake={"itl_s": STREAM_ITL_S}),
                         1,
+                        pin,
                     ),
-                    "maxrps": (replace(base, concurrency=64, duration_s=sizes.maxrps_s), 2),
+                    "maxrps": (replace(base, concurrency=64, duration_s=sizes.maxrps_s), 2, False),
                 }
                 raw: dict = {t.name: {p: [] for p in phases} for t in targets}
                 for r in range(sizes.rounds):
-                    for pname, (spec, procs) in phases.items():
+                    for pname, (spec, procs, pinned) in phases.items():
+                        spec = replace(spec, cpus=place(pinned))
                         order = targets[r % len(targets):] + targets[: r % len(targets)]  # alternate who goes first
                         for t in order:
                             s = _phase(pool, spec, t, procs)
@@ -168,6 +189,7 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print) -> 
                             log(f"round {r + 1}/{sizes.rounds} {pname:6s} {t.name:8s} ok={s['ok']:6d} req/s={s['req_per_s']:8.1f} "
                                 f"p50={s['p50_ms']}ms p99={s['p99_ms']}ms errors={s['errors'] or '-'}"
                                 + ("" if s["cpu_s"] is None else f" cpu={s['cpu_s']:.2f}s"))
+                place(False)
             rows = {}
             for t in targets:
                 d = raw[t.name]
@@ -183,6 +205,7 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print) -> 
                 }
                 if t.pids:
                     row["cpu_ms_per_request"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["cpu"] if s["ok"]])
+                    row["cpu_ms_per_request_c1"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["lat"] if s["ok"]])
                     row["cpu_ms_per_stream"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["stream"] if s["ok"]])
                     row["cpu_us_per_chunk"] = None if row["cpu_ms_per_stream"] is None else row["cpu_ms_per_stream"] * 1000 / STREAM_EVENTS
                     row["rss_mib"] = round(sum(h.mem_kib(p)["VmRSS"] for p in t.pids) / 1024, 1)
@@ -197,9 +220,19 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print) -> 
         from .idle_streams import run as idle_run
 
         log(f"idle streams: opening {sizes.idle_streams} through one proxy process ...")
-        results["idle"] = idle_run(streams=sizes.idle_streams)
+        results["idle"] = idle_run(streams=sizes.idle_streams, proxy_src=proxy_src)
     results["admission_us"] = admission_micro()
     return results
+
+
+IDLE_TARGET_STREAMS = 10000
+
+
+def _idle_at_target(idle: dict) -> float:
+    """RSS (MiB) at 10 000 idle streams: measured, or extrapolated from fewer."""
+    if idle["streams_held"] >= IDLE_TARGET_STREAMS:
+        return idle["rss_mib"]
+    return idle["baseline_rss_mib"] + idle["kib_per_stream"] * IDLE_TARGET_STREAMS / 1024
 
 
 def _fmt(v, nd=2) -> str:
@@ -221,12 +254,15 @@ def table(results: dict) -> str:
             f"{_fmt(r.get('cpu_ms_per_stream'))} | {_fmt(r.get('cpu_us_per_chunk'), 1)} | {_fmt(r['max_req_per_s'], 0)} | {_fmt(r.get('rss_mib'), 1)} |"
         )
     out = "\n".join(lines)
+    c1 = [f"{n} {r['cpu_ms_per_request_c1']:.3f} ms" for n, r in results["rows"].items() if r.get("cpu_ms_per_request_c1") is not None]
+    if c1:
+        out += "\n\nCPU per request at concurrency 1 (every request wakes an idle process): " + ", ".join(c1)
     idle = results.get("idle")
     if idle:
-        extra = "" if idle["streams_held"] == idle["streams_requested"] else (
-            f" (open-files limit {idle['nofile_limit']}: 2 sockets per stream; {idle['kib_per_stream']} KiB/stream"
-            f" -> {idle['rss_mib_at_target']} MiB at {idle['streams_requested']})"
-        )
+        extra = ""
+        if idle["streams_held"] < IDLE_TARGET_STREAMS:
+            why = f"open-files limit {idle['nofile_limit']}, 2 sockets per stream; " if idle["streams_requested"] > idle["streams_held"] else ""
+            extra = f" ({why}{idle['kib_per_stream']} KiB/stream -> {_idle_at_target(idle):.1f} MiB at {IDLE_TARGET_STREAMS}, extrapolated)"
         out += (
             f"\n\nidle streams: {idle['streams_held']} held by one proxy process: RSS {idle['rss_mib']} MiB "
             f"(baseline {idle['baseline_rss_mib']} MiB){extra}; all {idle['aborted_upstream']} upstream requests aborted "
@@ -244,7 +280,7 @@ def verdict(results: dict) -> list[str]:
         ("CPU per non-streaming request", r["cpu_ms_per_request"], TARGETS_SPEC["cpu_ms_per_request"], "ms"),
         ("CPU per 64-token stream", r["cpu_ms_per_stream"], TARGETS_SPEC["cpu_ms_per_stream"], "ms"),
         ("CPU per relayed chunk", r["cpu_us_per_chunk"], TARGETS_SPEC["cpu_us_per_chunk"], "µs"),
-        ("RSS with 10 000 idle streams", idle and idle["rss_mib_at_target"], TARGETS_SPEC["idle_rss_mib"], "MiB"),
+        ("RSS with 10 000 idle streams", idle and _idle_at_target(idle), TARGETS_SPEC["idle_rss_mib"], "MiB"),
         ("admission decision at 10 000 queued", results["admission_us"], TARGETS_SPEC["admission_us"], "µs"),
     ]
     out = []
@@ -265,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle-streams measurement")
     ap.add_argument("--idle-streams", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the raw results to this file")
+    ap.add_argument("--proxy-src", default=None, help="run the proxy from another checkout (e.g. a git worktree of an older commit) for before/after figures")
     a = ap.parse_args(argv)
     sizes = QUICK if a.quick else FULL
     if a.rounds:
@@ -272,11 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.idle_streams:
         sizes = replace(sizes, idle_streams=a.idle_streams)
     t0 = time.monotonic()
-    results = measure(sizes, a.pin, a.nginx, a.idle, log=lambda s: print(s, file=sys.stderr, flush=True))
+    results = measure(sizes, a.pin, a.nginx, a.idle, log=lambda s: print(s, file=sys.stderr, flush=True), proxy_src=a.proxy_src)
+    if a.proxy_src:
+        results["proxy_src"] = a.proxy_src
     results["wall_s"] = round(time.monotonic() - t0, 1)
     print()
+    if results["loadavg_before"] > 0.5 * results["cpus"]:
+        print(f"warning: the machine was busy when the run started (load average {results['loadavg_before']:.1f}); figures are noisier")
     print(f"llm-qos overhead, {results['cpus']} CPUs, Python {results['python']}, "
-          f"{'target pinned to CPU 0, load + upstream on the rest' if results['pinned'] else 'unpinned'}, "
+          f"{'CPU phases: target pinned to CPU 0, load + upstream on the rest' if results['pinned'] else 'unpinned'}, "
           f"{sizes.rounds} round(s) (medians), {results['wall_s']} s")
     if not results["nginx"].startswith("installed"):
         print(f"nginx: {results['nginx']}")

@@ -127,8 +127,10 @@ async def handle_generation(
                 upstream.close()  # aborts the generation upstream
                 state.metrics.upstream_aborts.labels(ex.outcome or "error").inc()
         admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
-        _account(state, group, ex, parsed, loop.time())
-        _log_access(ident.user_id, group, ex, loop.time(), ex.outcome or m.OUTCOME_UPSTREAM_ERROR, ex.detail, queue_wait)
+        # metrics and the access line after the response has gone out, off its latency
+        now = loop.time()
+        loop.call_soon(_account, state, group, ex, parsed, now)
+        loop.call_soon(_log_access, ident.user_id, group, ex, now, ex.outcome or m.OUTCOME_UPSTREAM_ERROR, ex.detail, queue_wait)
 
 
 def _message_of(body: bytes) -> str:

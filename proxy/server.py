@@ -77,6 +77,9 @@ def run(config_path: str, host: str, port: int, upstream_url: str | None = None,
     from .config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    # the record fields we never print cost a lookup each per log line
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None
     try:
         import uvloop
 

@@ -81,9 +81,11 @@ class RawUpstream:
     request (no response: a reset pooled connection), and which answers the rest with a
     small OpenAI JSON body after ``delay_s`` (``None``: never)."""
 
-    def __init__(self, drop: int = 0, delay_s: float | None = 0.0) -> None:
+    def __init__(self, drop: int = 0, delay_s: float | None = 0.0, extra_headers: bytes = b"") -> None:
         self.drop = drop
         self.delay_s = delay_s
+        self.extra_headers = extra_headers
+        self.heads: list[bytes] = []  # request heads received
         self.connections = 0
         self.server: asyncio.base_events.Server | None = None
 
@@ -92,6 +94,7 @@ class RawUpstream:
         n = self.connections
         try:
             head = await reader.readuntil(b"\r\n\r\n")
+            self.heads.append(head)
             length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
             await reader.readexactly(length)
             if n <= self.drop:
@@ -101,15 +104,17 @@ class RawUpstream:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.delay_s)
             body = b'{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (self.extra_headers, len(body), body))
             await writer.drain()
-            await reader.read()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             writer.close()
 
+    last: "RawUpstream | None" = None
+
     async def __aenter__(self) -> str:
+        RawUpstream.last = self
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
@@ -128,6 +133,24 @@ async def test_connection_reset_before_any_byte_is_retried_once(make_stack, http
         async with http.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
             assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_disconnected"
     assert not st.state.admission.scheduler.inflight
+
+
+async def test_upstream_cookies_are_not_replayed_and_no_compression_is_asked(make_stack, http):
+    """The pool is shared by all users: a Set-Cookie from the upstream must never ride on
+    another user's request; and bodies are relayed as bytes, so none may come compressed."""
+    async with RawUpstream(extra_headers=b"Set-Cookie: session=alice-secret; Path=/\r\n") as url:
+        st = await make_stack()
+        # by host name: aiohttp's default cookie jar ignores cookies from IP addresses
+        url = url.replace("127.0.0.1", "localhost")
+        st.state.upstream.reconfigure(st.state.active.config.upstream.model_copy(update={"url": url}))
+        for key in ("sk-alice", "sk-carl"):
+            async with http.post(st.proxy_url + CHAT, json=st.chat_body(1), headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == 200
+                assert "Set-Cookie" not in r.headers
+        raw = RawUpstream.last
+    heads = [h.lower() for h in raw.heads]
+    assert len(heads) == 2
+    assert all(b"cookie:" not in h and b"accept-encoding" not in h and b"sk-" not in h for h in heads)
 
 
 async def test_no_headers_in_time_is_504(make_stack, http):
