@@ -88,7 +88,6 @@ async def handle_generation(
 
     group = ticket.group
     queue_wait = loop.time() - ex.arrived_at
-    state.metrics.queue_wait.labels(group).observe(queue_wait)
     upstream = None
     clean = False
     assemble = not native and not parsed.stream and active.config.upstream.stream_non_streaming
@@ -129,7 +128,7 @@ async def handle_generation(
         admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
         # metrics and the access line after the response has gone out, off its latency
         now = loop.time()
-        loop.call_soon(_account, state, group, ex, parsed, now)
+        loop.call_soon(_account, state, group, ex, parsed, queue_wait)
         loop.call_soon(_log_access, ident.user_id, group, ex, now, ex.outcome or m.OUTCOME_UPSTREAM_ERROR, ex.detail, queue_wait)
 
 
@@ -143,8 +142,9 @@ def _message_of(body: bytes) -> str:
     return body[:500].decode("utf-8", "replace") or "the upstream rejected the request"
 
 
-def _account(state: ProxyState, group: str, ex: Exchange, parsed: ParsedRequest, now: float) -> None:
+def _account(state: ProxyState, group: str, ex: Exchange, parsed: ParsedRequest, queue_wait: float) -> None:
     met = state.metrics
+    met.queue_wait.labels(group).observe(queue_wait)
     met.requests.labels(group, ex.outcome or m.OUTCOME_UPSTREAM_ERROR).inc()
     if ex.first_byte_at is not None:
         met.ttft.labels(group).observe(ex.first_byte_at - ex.arrived_at)

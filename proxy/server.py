@@ -60,6 +60,7 @@ async def serve(
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     watcher = asyncio.create_task(watch_config(state, stop)) if watch else None
+    _flush_access_log(loop)
     try:
         await stop.wait()
     finally:
@@ -69,17 +70,44 @@ async def serve(
         if watcher is not None:
             watcher.cancel()
         await runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout
+        for h in logging.getLogger("llm_qos.access").handlers:
+            h.flush()
         log.info("proxy stopped")
+
+
+ACCESS_LOG_BUFFER = 256  # lines
+ACCESS_LOG_FLUSH_S = 1.0
+
+
+def configure_logging() -> logging.handlers.MemoryHandler:
+    """Log to stderr; the access log (one line per request) is buffered like nginx's
+    ``access_log ... buffer= flush=``: written in batches of ``ACCESS_LOG_BUFFER`` lines,
+    and at least every ``ACCESS_LOG_FLUSH_S`` seconds by :func:`serve`, so the hot path
+    pays no write system call per request. Returns the access log's buffer."""
+    import logging.handlers
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    # the record fields we never print cost a lookup each per log line
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None
+    access = logging.getLogger("llm_qos.access")
+    buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=logging.getLogger().handlers[0], flushOnClose=True)
+    access.addHandler(buffer)
+    access.propagate = False
+    return buffer
+
+
+def _flush_access_log(loop: asyncio.AbstractEventLoop) -> None:
+    for h in logging.getLogger("llm_qos.access").handlers:
+        h.flush()
+    loop.call_later(ACCESS_LOG_FLUSH_S, _flush_access_log, loop)
 
 
 def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True) -> int:
     """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
     from .config import ConfigError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    # the record fields we never print cost a lookup each per log line
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging._srcfile = None
+    configure_logging()
     try:
         import uvloop
 

@@ -101,10 +101,14 @@ class Upstream:
         config, url, headers = self.config, self._url(path), self._headers
         for attempt in (0, 1):
             try:
+                if config.first_byte_timeout_s >= config.idle_timeout_s:
+                    # aiohttp's sock_read (idle_timeout_s) also bounds the wait for headers
+                    return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
                 async with asyncio.timeout(config.first_byte_timeout_s):
                     return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
             except TimeoutError:
-                raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {config.first_byte_timeout_s:g} s") from None
+                waited = min(config.first_byte_timeout_s, config.idle_timeout_s)
+                raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {waited:g} s") from None
             except aiohttp.ClientConnectorError as e:
                 raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
             except _RETRYABLE as e:

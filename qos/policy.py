@@ -119,6 +119,7 @@ class SchedulerPolicy:
     queue_timeout_s: float = 30.0
     cost: CostModel = CostModel()
     share_window_s: float = 30.0
+    _group_by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -134,6 +135,7 @@ class SchedulerPolicy:
             raise ValueError("max_queue must be >= 0")
         if sum(g.min_share for g in self.groups) > 1.0:
             raise ValueError("the min_share of all groups must add up to at most 1")
+        object.__setattr__(self, "_group_by_name", {g.name: g for g in self.groups})
         for u in self.users.values():
             if u.group not in names:
                 raise ValueError(f"user {u.user_id!r} names unknown group {u.group!r}")
@@ -153,6 +155,7 @@ class SchedulerPolicy:
         found = self.users.get(user_id)
         if found is not None:
             return found
-        gname = group if group is not None and group in {g.name for g in self.groups} else self.default_group
-        gpol = self.groups[self.group_index(gname)]
-        return UserPolicy(user_id=user_id, group=gname, weight=gpol.default_user_weight)
+        gpol = self._group_by_name.get(group) if group is not None else None
+        if gpol is None:
+            gpol = self._group_by_name[self.default_group]
+        return UserPolicy(user_id=user_id, group=gpol.name, weight=gpol.default_user_weight)

@@ -236,7 +236,7 @@ async def test_reload_under_load_loses_nothing_and_weight_shift_is_fast(make_sta
             else:
                 good["admission"]["queue_timeout_s"] = 10 + i
                 _write(st.config_path, good)
-            await asyncio.sleep(0.06)
+            await asyncio.sleep(0.2)  # > the watcher's step (100 ms) + debounce, so each write is its own reload
         before = st.stats.tags[-200:]
         good["groups"][0]["users"][0]["weight"] = 1  # alice
         good["groups"][0]["users"][1]["weight"] = 3  # bob

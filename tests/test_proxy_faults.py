@@ -213,6 +213,12 @@ async def test_sigterm_refuses_queued_and_drains_inflight(aiohttp_server, tmp_pa
         assert q_status == 503 and b"shutting_down" in q_body
         assert f_status == 200 and f_body.endswith(b"data: [DONE]\n\n") and f_body.count(b'"content"') == 15
         assert await asyncio.to_thread(proc.wait, 10) == 0
+        # one JSON access line per request, flushed at shutdown; never the prompt
+        log = proc.log_path.read_text()
+        access = [line for line in log.splitlines() if "llm_qos.access" in line]
+        assert len(access) == 2, log[-2000:]
+        assert any('"outcome":"ok"' in a for a in access) and any('"detail":"shutting_down"' in a for a in access)
+        assert '"content"' not in log and "messages" not in log
     finally:
         await asyncio.to_thread(stop_proxy, proc)
 
