@@ -18,7 +18,8 @@ Fairness bound (weighted service of two users ``a`` and ``b`` backlogged over an
 when every request's charged cost is final at dispatch): the difference of their counters
 never exceeds ``max(C_a / w_a, C_b / w_b)`` where ``C_u`` is the largest cost of one
 request of ``u``, so the difference of weighted service over the interval is at most
-``2 * max(C_a / w_a, C_b / w_b)`` (VTC, Theorem 4.4, with weights). Costs charged after
+``2 * max(C_a / w_a, C_b / w_b)`` (the VTC paper proves the unweighted form of this bound;
+weights scale each counter's increments, and the same argument holds). Costs charged after
 dispatch (streamed output beyond the estimate, or a refund at the end) move a counter by at
 most the estimate error of that user's requests in flight, which adds to the bound.
 
