@@ -362,18 +362,24 @@ async def _body(request: web.Request, engine: WireEngine) -> dict:
     return json.loads(await request.read())
 
 
+async def _native_request(request: web.Request, engine: "WireEngine") -> tuple[dict, str, dict, int, int]:
+    """Read a native request as LightLLM does: (wire knobs, prompt, parameters, prompt
+    tokens, max new tokens); raises what :meth:`WireEngine.check` raises."""
+    body = await _body(request, engine)
+    wire = body.pop("wire", None) or {}
+    engine.stats.tags.append(wire.get("tag"))
+    prompt = body.pop("inputs")
+    params = dict(body["parameters"])
+    params.pop("return_details", False)
+    prompt_tokens = prompt_tokens_of(prompt)
+    return wire, prompt, params, prompt_tokens, engine.check(params, prompt_tokens)
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     """``POST /generate``."""
     engine = _count(request)
     try:
-        body = await _body(request, engine)
-        wire = body.pop("wire", None) or {}
-        engine.stats.tags.append(wire.get("tag"))
-        prompt = body.pop("inputs")
-        params = dict(body["parameters"])
-        params.pop("return_details", False)
-        prompt_tokens = prompt_tokens_of(prompt)
-        max_new = engine.check(params, prompt_tokens)
+        wire, prompt, params, prompt_tokens, max_new = await _native_request(request, engine)
         n = params.get("n") or params.get("best_of") or 1
         msg = engine.too_long(prompt_tokens, max_new)
         if msg:
@@ -483,14 +489,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     """``POST /generate_stream``."""
     engine = _count(request)
     try:
-        body = await _body(request, engine)
-        wire = body.pop("wire", None) or {}
-        engine.stats.tags.append(wire.get("tag"))
-        prompt = body.pop("inputs")
-        params = dict(body["parameters"])
-        params.pop("return_details", False)
-        prompt_tokens = prompt_tokens_of(prompt)
-        max_new = engine.check(params, prompt_tokens)
+        wire, prompt, params, prompt_tokens, max_new = await _native_request(request, engine)
         if (params.get("best_of") or 1) != 1:
             raise _Rejected("stream api only support best_of == 1")
     except _Rejected as e:
