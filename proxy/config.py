@@ -31,7 +31,7 @@ def _secret(value: str | None, env_name: str | None) -> str | None:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RateLimitConfig(_Model):
@@ -185,6 +185,12 @@ class UserConfig(_Model):
                 raise ValueError("must be 64 hex digits (sha256 of the key)")
         return v
 
+    @model_validator(mode="after")
+    def _one_key(self) -> "UserConfig":
+        if self.api_key and self.api_key_sha256:
+            raise ValueError("give api_key or api_key_sha256, not both")
+        return self
+
     def key_digest(self) -> str | None:
         """SHA-256 hex digest of this user's key, if any."""
         if self.api_key:
@@ -290,15 +296,30 @@ def _format_validation(path: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key repeated in one mapping (YAML allows it and
+    keeps the last value, which would hide half of an operator's edit)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate YAML ``text``.
 
     Raises:
-        ConfigError: syntax error, empty document, or a schema violation (every error
-            with its key path, the bad value and what is allowed).
+        ConfigError: syntax error, a key repeated in one mapping, empty document, or a
+            schema violation (every error with its key path, the bad value and what is
+            allowed).
     """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
     if data is None:

@@ -37,6 +37,7 @@ def reload_config(state: ProxyState) -> bool:
         return _failed(state, f"{path}: cannot read: {e}")
     digest = config_digest(data)
     if digest == state.active.digest:
+        state.last_error = None  # the file is the active config again (e.g. a bad edit undone)
         return True
     try:
         config = parse_config(data.decode("utf-8"), path)
@@ -69,6 +70,8 @@ async def watch_config(state: ProxyState, stop: asyncio.Event, debounce_ms: int 
             the GIL, so a shorter step costs request latency.
     """
     from watchfiles import awatch
+
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)  # not a line per file event
 
     path = Path(state.config_path).absolute()
     async for _changes in awatch(path.parent, stop_event=stop, debounce=debounce_ms, step=100, recursive=False):

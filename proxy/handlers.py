@@ -58,6 +58,8 @@ async def handle_generation(
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, f"the body exceeds {state.max_body_bytes} bytes", code="body_too_large")
+    except Exception as e:  # a body that cannot be decoded (bad Content-Encoding, broken chunking)
+        return error_response(400, f"the request body could not be read: {type(e).__name__}", code="invalid_body")
     ident = active.identity.resolve(request.headers)
     if active.identity.require_api_key and not ident.authenticated:
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
@@ -96,6 +98,7 @@ async def handle_generation(
             upstream = await state.upstream.open("POST", path, stream_request_body(parsed.fields) if assemble else parsed.body)
         except UpstreamError as e:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
+            ex.prompt_tokens = 0  # the upstream did no work: charge nothing
             return error_response(e.status, e.message, code=e.code)
         if parsed.stream and upstream.status == 200:
             progress = lambda n: admission.scheduler.record_output(ticket, n)  # noqa: E731
@@ -104,6 +107,7 @@ async def handle_generation(
             if upstream.status == 417 and (native or active.config.upstream.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()
                 ex.outcome, clean = m.OUTCOME_BAD_REQUEST, True  # read in full: nothing to abort
+                ex.prompt_tokens = 0  # refused by the engine: charge nothing
                 return error_response(400, _message_of(body), code="invalid_request")
             try:
                 if assemble and upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -203,8 +207,12 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``, passed through from the upstream."""
+    """``GET /v1/models``, passed through from the upstream (401 without a known key
+    when ``identity.require_api_key`` is on)."""
     state = request.app[STATE]
+    active = state.active
+    if active.identity.require_api_key and not active.identity.resolve(request.headers).authenticated:
+        return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
     try:
         upstream = await state.upstream.open("GET", "/v1/models")
     except UpstreamError as e:

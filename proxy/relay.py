@@ -256,7 +256,10 @@ async def relay_stream(
         except _UPSTREAM_FAILURES as e:
             _take_counts(ex, scanner)
             ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
-            ending = sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken")
+            if isinstance(e, TimeoutError):
+                ending = sse_error_event("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
+            else:
+                ending = sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken")
         else:
             _take_counts(ex, scanner)
             pad = b"\n\n" if scanner.partial else b""
@@ -333,6 +336,9 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
         ex.prompt_tokens, out = usage_of(body, native)
         if out is not None:
             ex.output_tokens = out
-    ex.outcome = "ok" if upstream.status < 400 else "upstream_error"
+    if upstream.status < 400:
+        ex.outcome = "ok"
+    else:  # an error answer: the upstream generated nothing, so nothing is charged
+        ex.outcome, ex.prompt_tokens, ex.output_tokens = "upstream_error", 0, 0
     ctype = upstream.headers.get("Content-Type", "application/json")  # LightLLM /generate sends none
     return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})

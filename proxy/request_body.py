@@ -198,8 +198,9 @@ def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedReque
     else:
         target = fields
         keys = [k for k in ("max_tokens", "max_completion_tokens") if target.get(k) is not None] or ["max_tokens"]
-    if reject and any(target.get(k) is not None for k in keys):
-        raise BadRequest(f"{keys[0]!r} must be at most {cap} for your group, got {parsed.max_tokens}", keys[0])
+    over = [k for k in keys if isinstance(target.get(k), int) and target[k] > cap]
+    if reject and over:
+        raise BadRequest(f"{over[0]!r} must be at most {cap} for your group, got {target[over[0]]}", over[0])
     for k in keys:
         target[k] = cap
     return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import log_filters
 from .admin import RELOADER
 from .app import create_app
 from .config import config_digest, parse_config
@@ -90,6 +91,7 @@ def configure_logging() -> logging.handlers.MemoryHandler:
     # the record fields we never print cost a lookup each per log line
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None
+    log_filters.install()
     access = logging.getLogger("llm_qos.access")
     buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=logging.getLogger().handlers[0], flushOnClose=True)
     access.addHandler(buffer)

@@ -311,3 +311,22 @@ def test_sighup_and_admin_reload_in_the_proxy_process(tmp_path):
         assert _get_json(url + "/admin/reload", method="POST")[0] == 401
     finally:
         assert stop_proxy(proc) == 0
+
+
+def test_repeated_keys_and_infinite_weights_are_rejected():
+    with pytest.raises(ConfigError, match="appears twice"):
+        parse_config("default_group: b\nadmission: {max_inflight: 4}\nadmission: {max_queue: 5}\ngroups: [{name: b}]\n")
+    with pytest.raises(ConfigError, match="finite"):
+        parse_config("default_group: b\ngroups: [{name: b, users: [{id: x, weight: .inf}]}]\n")
+    with pytest.raises(ConfigError, match="not both"):
+        parse_config("default_group: b\ngroups: [{name: b, users: [{id: x, api_key: k, api_key_sha256: " + "a" * 64 + "}]}]\n")
+
+
+async def test_undoing_a_bad_edit_clears_the_error(make_stack):
+    st = await make_stack()
+    good = st.config_path.read_bytes()
+    st.config_path.write_text("groups: [")
+    assert reload_config(st.state) is False and st.state.last_error
+    st.config_path.write_bytes(good)
+    assert reload_config(st.state) is True
+    assert st.state.last_error is None

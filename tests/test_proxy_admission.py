@@ -95,3 +95,7 @@ async def test_require_api_key_answers_401(make_stack, http, aiohttp_server):
     assert status == 401 and body["error"]["type"] == "authentication_error"
     status, _, _ = await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer sk-carl")
     assert status == 200
+    async with http.get(st.proxy_url + "/v1/models") as r:
+        assert r.status == 401
+    async with http.get(st.proxy_url + "/v1/models", headers={"Authorization": "Bearer sk-carl"}) as r:
+        assert r.status == 200

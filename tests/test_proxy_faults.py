@@ -179,7 +179,7 @@ async def test_upstream_idle_mid_stream_ends_with_error_and_aborts(aiohttp_serve
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
     async with http.post(str(px.make_url(CHAT)), json=body) as r:
         raw = await r.read()
-    assert b" t0" in raw and b"upstream_stream_broken" in raw and b"[DONE]" not in raw
+    assert b" t0" in raw and b"upstream_idle_timeout" in raw and b"[DONE]" not in raw
     await wait_until(lambda: up_app[STATS].aborted == 1, what="upstream aborted")
     assert not app[STATE].admission.scheduler.inflight
 
@@ -241,3 +241,26 @@ async def test_client_that_stops_reading_is_dropped_and_upstream_aborted(make_st
     await wait_until(lambda: not st.state.admission.scheduler.inflight, what="slot released")
     assert st.stats.tokens_sent < 2_000_000
     writer.close()
+
+
+async def test_undecodable_body_is_400(make_stack, http):
+    st = await make_stack()
+    async with http.post(st.proxy_url + CHAT, data=b"not gzip at all", headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_body"
+    async with aiohttp.ClientSession() as fresh:  # the broken connection itself is closed
+        async with fresh.post(st.proxy_url + CHAT, json=st.chat_body(1)) as r:
+            assert r.status == 200
+
+
+async def test_upstream_error_answers_are_not_charged(make_stack, http):
+    st = await make_stack()
+    sched = st.state.admission.scheduler
+    headers = {"Authorization": "Bearer sk-alice"}
+    async with http.post(st.proxy_url + CHAT, json=st.chat_body(1), headers=headers) as r:
+        assert r.status == 200
+    before = sched.counters()["alice"]
+    body = st.chat_body(500, status=413)
+    body["messages"][0]["content"] = "x" * 40_000
+    async with http.post(st.proxy_url + CHAT, json=body, headers=headers) as r:
+        assert r.status == 413
+    assert sched.counters()["alice"] == before
