@@ -330,3 +330,9 @@ async def test_undoing_a_bad_edit_clears_the_error(make_stack):
     st.config_path.write_bytes(good)
     assert reload_config(st.state) is True
     assert st.state.last_error is None
+
+
+def test_shipped_config_trusts_no_identity_header():
+    """Clients could forge a user-id header: only an operator behind a trusted gateway
+    should turn it on, so the config `llm-qos up` uses by default does not."""
+    assert load_config(REPO / "proxy" / "default_config.yaml").identity.header is None

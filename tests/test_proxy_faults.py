@@ -264,3 +264,15 @@ async def test_upstream_error_answers_are_not_charged(make_stack, http):
     async with http.post(st.proxy_url + CHAT, json=body, headers=headers) as r:
         assert r.status == 413
     assert sched.counters()["alice"] == before
+
+
+async def test_cap_rejection_names_the_field_over_the_cap(make_stack, http):
+    cfg = base_config("")
+    cfg["groups"][1]["max_tokens"] = 50
+    cfg["limits"] = {"max_tokens_action": "reject"}
+    st = await make_stack(config=cfg)
+    body = st.chat_body(5)
+    body["max_completion_tokens"] = 500
+    async with http.post(st.proxy_url + CHAT, json=body) as r:
+        err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "max_completion_tokens" and "500" in err["message"]
