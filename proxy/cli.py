@@ -86,6 +86,10 @@ async def _up(args: argparse.Namespace) -> int:
     config = args.config or default_config_path()
     if check_config(config) != 0:
         return 2
+    for host, port, what in ((args.host, args.port, "proxy"), ("127.0.0.1", args.engine_port, "engine")):
+        if not _port_free(host, port):
+            print(f"llm-qos up: {host}:{port} is already in use; pick another {what} port (--{'port' if what == 'proxy' else 'engine-port'})", file=sys.stderr)
+            return 2
     engine_url = f"http://127.0.0.1:{args.engine_port}"
     engine_cmd = [sys.executable, "-m", "engine_server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(args.engine_port)]
     if args.model:
@@ -119,6 +123,20 @@ async def _up(args: argparse.Namespace) -> int:
     finally:
         await _terminate(proxy, "proxy", 35.0)
         await _terminate(engine, "engine", 15.0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now (checked before starting
+    anything, so a busy port fails at once instead of after the engine's start-up)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 async def _wait_line(proc: asyncio.subprocess.Process, marker: str, stop: asyncio.Event) -> bool:
