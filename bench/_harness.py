@@ -32,6 +32,7 @@ KEYS = [(k, w) for k, _, _, w in USERS]
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,23 +55,37 @@ def _env(src: Path = REPO_ROOT) -> dict:
     return env
 
 
-def _wait_line(proc: subprocess.Popen, mark: str, timeout_s: float, what: str, log: Path | None) -> None:
+def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, what: str, log_tail=lambda: "") -> str:
+    """Read ``proc``'s stdout (text mode) until a line starting with ``marker``; return it
+    (stripped). Used by the benchmarks and the tests alike.
+
+    Raises:
+        RuntimeError: the process exited first, or ``timeout_s`` seconds passed (the
+            process is then left running: the caller stops it); ``log_tail()`` is appended.
+    """
     deadline = time.monotonic() + timeout_s
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stop(proc)
-                raise RuntimeError(f"{what} not ready in {timeout_s} s" + (f": {log.read_text()[-2000:]}" if log else ""))
-            if not sel.select(left):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"{what} not ready in {timeout_s} s; log:\n{log_tail()}")
+            if not sel.select(remaining):
                 continue
             line = proc.stdout.readline()
-            if not line:
+            if not line:  # EOF: the process exited
                 proc.wait()
-                raise RuntimeError(f"{what} exited with {proc.returncode}" + (f": {log.read_text()[-2000:]}" if log else ""))
-            if mark in line:
-                return
+                raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log_tail()}")
+            if line.startswith(marker):
+                return line.strip()
+
+
+def _wait_line(proc: subprocess.Popen, mark: str, timeout_s: float, what: str, log: Path | None) -> None:
+    try:
+        wait_for_line(proc, mark, timeout_s, what, (lambda: log.read_text()[-2000:]) if log else (lambda: ""))
+    except RuntimeError:
+        stop(proc)
+        raise
 
 
 def _popen(cmd: list[str], log: Path, cpus: set[int] | None, src: Path = REPO_ROOT) -> subprocess.Popen:

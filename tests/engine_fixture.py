@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,19 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc_util import die_with_parent, wait_for_line
+from tests.proc_util import die_with_parent, free_port, wait_for_line  # noqa: F401  (free_port: used by other tests)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_MARK = "engine ready at "
 DEFAULT_START_TIMEOUT_S = 300.0  # includes a first-time model conversion
 DEFAULT_GRACE_S = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 4000) -> str:

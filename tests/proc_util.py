@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import selectors
 import signal
-import subprocess
-import time
+
+from bench._harness import free_port, wait_for_line  # noqa: F401  (re-exported for the tests)
 
 
 def die_with_parent() -> None:
@@ -16,27 +15,3 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass
-
-
-def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, what: str, log_tail=lambda: "") -> str:
-    """Read ``proc``'s stdout (text mode) until a line starting with ``marker``; return it.
-
-    Raises:
-        RuntimeError: the process exited first, or ``timeout_s`` seconds passed (the
-            process is then left running: the caller stops it); ``log_tail()`` is appended.
-    """
-    deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(f"{what} not ready in {timeout_s} s; log:\n{log_tail()}")
-            if not sel.select(remaining):
-                continue
-            line = proc.stdout.readline()
-            if not line:  # EOF: the process exited
-                proc.wait()
-                raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log_tail()}")
-            if line.startswith(marker):
-                return line.strip()
