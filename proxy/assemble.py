@@ -16,9 +16,15 @@ the last non-null ``finish_reason``, any other choice field as last seen; and ``
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import aiohttp
 import orjson
+from aiohttp import web
+
+from .metrics import OUTCOME_OK
+from .relay import Exchange, sse_payloads
 
 _TEXT_FIELDS = ("content", "refusal", "reasoning_content")
 
@@ -151,7 +157,7 @@ def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
     return acc
 
 
-async def relay_assembled(upstream, ex, chat: bool):
+async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: bool) -> web.Response:
     """Read the upstream's SSE answer to the end and answer with the assembled JSON.
 
     Args:
@@ -168,12 +174,6 @@ async def relay_assembled(upstream, ex, chat: bool):
         asyncio.CancelledError: the client went away (the caller aborts the upstream,
             which now aborts the generation).
     """
-    import asyncio
-
-    from aiohttp import web
-
-    from .relay import sse_payloads
-
     asm = Assembler(chat)
     events = 0
     buf = bytearray()
@@ -198,5 +198,5 @@ async def relay_assembled(upstream, ex, chat: bool):
     out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
     ex.output_tokens = out if isinstance(out, int) else events
     ex.prompt_tokens = prompt if isinstance(prompt, int) else None
-    ex.outcome = "ok"
+    ex.outcome = OUTCOME_OK
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -39,6 +39,7 @@ access_log = logging.getLogger("llm_qos.access")
 log = logging.getLogger("llm_qos.proxy")
 
 _SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN}
+_NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no output token
 
 
 def _refusal_response(r: Refused) -> web.Response:
@@ -77,15 +78,15 @@ async def handle_generation(
     try:
         ticket = await admission.acquire(ident.user_id, ident.group, parsed.prompt_tokens, parsed.max_tokens)
     except Refused as r:
-        group = group_name
-        state.metrics.rejections.labels(group, r.reason.value).inc()
-        state.metrics.requests.labels(group, m.OUTCOME_REFUSED).inc()
-        _log_access(ident.user_id, group, ex, loop.time(), m.OUTCOME_REFUSED, r.reason.value, 0.0)
+        now = loop.time()
+        state.metrics.rejections.labels(group_name, r.reason.value).inc()
+        state.metrics.requests.labels(group_name, m.OUTCOME_REFUSED).inc()
+        _log_access(ident.user_id, group_name, ex, now, m.OUTCOME_REFUSED, r.reason.value, now - ex.arrived_at)
         return _refusal_response(r)
     except asyncio.CancelledError:
-        group = group_name
-        state.metrics.requests.labels(group, m.OUTCOME_CLIENT_GONE).inc()
-        _log_access(ident.user_id, group, ex, loop.time(), m.OUTCOME_CLIENT_GONE, "while queued", 0.0)
+        now = loop.time()
+        state.metrics.requests.labels(group_name, m.OUTCOME_CLIENT_GONE).inc()
+        _log_access(ident.user_id, group_name, ex, now, m.OUTCOME_CLIENT_GONE, "while queued", now - ex.arrived_at)
         raise
 
     group = ticket.group
@@ -98,7 +99,6 @@ async def handle_generation(
             upstream = await state.upstream.open("POST", path, stream_request_body(parsed.fields) if assemble else parsed.body)
         except UpstreamError as e:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
-            ex.prompt_tokens = 0  # the upstream did no work: charge nothing
             return error_response(e.status, e.message, code=e.code)
         if parsed.stream and upstream.status == 200:
             progress = lambda n: admission.scheduler.record_output(ticket, n)  # noqa: E731
@@ -107,7 +107,6 @@ async def handle_generation(
             if upstream.status == 417 and (native or active.config.upstream.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()
                 ex.outcome, clean = m.OUTCOME_BAD_REQUEST, True  # read in full: nothing to abort
-                ex.prompt_tokens = 0  # refused by the engine: charge nothing
                 return error_response(400, _message_of(body), code="invalid_request")
             try:
                 if assemble and upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -129,6 +128,8 @@ async def handle_generation(
             else:
                 upstream.close()  # aborts the generation upstream
                 state.metrics.upstream_aborts.labels(ex.outcome or "error").inc()
+        if ex.output_tokens == 0 and ex.outcome in _NOTHING_SERVED:
+            ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
         admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
         # metrics and the access line after the response has gone out, off its latency
         now = loop.time()

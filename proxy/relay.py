@@ -29,6 +29,7 @@ import orjson
 from aiohttp import web
 
 from .errors import sse_error_event
+from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -60,20 +61,29 @@ class Exchange:
     detail: str = ""
 
 
+def take_events(buf: bytearray) -> list[bytes]:
+    """Remove the complete SSE events (terminated by a blank line, ``\n`` or ``\r\n``)
+    from the front of ``buf`` and return them, leading whitespace stripped; an
+    unterminated event stays in ``buf``."""
+    out = []
+    start = 0
+    for m in _EVENT_END.finditer(buf):
+        out.append(bytes(buf[start : m.start()]).lstrip())
+        start = m.end()
+    if start:
+        del buf[:start]
+    return out
+
+
 def sse_payloads(buf: bytearray) -> list[bytes]:
     """Remove the complete events from ``buf`` and return their ``data:`` payloads
     (stripped; ``[DONE]`` and events without data left out)."""
     out = []
-    start = 0
-    for m in _EVENT_END.finditer(buf):
-        ev = bytes(buf[start : m.start()]).lstrip()
-        start = m.end()
+    for ev in take_events(buf):
         if ev.startswith(b"data:"):
             payload = ev[5:].strip()
             if payload and payload != b"[DONE]":
                 out.append(payload)
-    if start:
-        del buf[:start]
     return out
 
 
@@ -124,15 +134,10 @@ class SSEScanner:
                 self.tokens += sum(1 for ev in chunk.split(b"\n\n") if ev.lstrip().startswith(b"data:"))
             return
         buf += chunk
-        start = 0
-        for m in _EVENT_END.finditer(buf):
-            self._event(bytes(buf[start : m.start()]))
-            start = m.end()
-        if start:
-            del buf[:start]
+        for ev in take_events(buf):
+            self._event(ev)
 
     def _event(self, ev: bytes) -> None:
-        ev = ev.lstrip()
         if not ev.startswith(b"data:"):
             return
         payload = ev[5:].strip()
@@ -255,7 +260,7 @@ async def relay_stream(
                     on_progress(scanner.tokens)
         except _UPSTREAM_FAILURES as e:
             _take_counts(ex, scanner)
-            ex.outcome, ex.detail = "upstream_error", f"upstream stream broke: {type(e).__name__}"
+            ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"upstream stream broke: {type(e).__name__}"
             if isinstance(e, TimeoutError):
                 ending = sse_error_event("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
             else:
@@ -264,10 +269,10 @@ async def relay_stream(
             _take_counts(ex, scanner)
             pad = b"\n\n" if scanner.partial else b""
             if native and not scanner.finished:
-                ex.outcome, ex.detail = "upstream_error", "native stream ended without finished:true"
+                ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, "native stream ended without finished:true"
                 ending = pad + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete")
             else:
-                ex.outcome = "ok"
+                ex.outcome = OUTCOME_OK
                 ending = b"" if native or scanner.done else pad + DONE_EVENT
         watchdog.pending_since = loop.time()
         if ending:
@@ -278,12 +283,12 @@ async def relay_stream(
         if not watchdog.fired:
             raise  # the client disconnected (aiohttp cancels the handler)
         asyncio.current_task().uncancel()
-        ex.outcome, ex.detail = "client_disconnected", f"the client read nothing for {write_timeout_s:g} s"
+        ex.outcome, ex.detail = OUTCOME_CLIENT_GONE, f"the client read nothing for {write_timeout_s:g} s"
         if request.transport is not None:
             request.transport.abort()
         return resp
     except ConnectionResetError:
-        ex.outcome, ex.detail = "client_disconnected", "the client disconnected mid-stream"
+        ex.outcome, ex.detail = OUTCOME_CLIENT_GONE, "the client disconnected mid-stream"
         return resp
     finally:
         watchdog.stop()
@@ -336,9 +341,6 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
         ex.prompt_tokens, out = usage_of(body, native)
         if out is not None:
             ex.output_tokens = out
-    if upstream.status < 400:
-        ex.outcome = "ok"
-    else:  # an error answer: the upstream generated nothing, so nothing is charged
-        ex.outcome, ex.prompt_tokens, ex.output_tokens = "upstream_error", 0, 0
+    ex.outcome = OUTCOME_OK if upstream.status < 400 else OUTCOME_UPSTREAM_ERROR
     ctype = upstream.headers.get("Content-Type", "application/json")  # LightLLM /generate sends none
     return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})
