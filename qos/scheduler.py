@@ -25,17 +25,16 @@ room rather than being overtaken by a lower class, so priority is never inverted
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from typing import Callable, Iterable
 
 from .fair_queue import FairQueue, UserAccount
+from .group_shares import GroupShares
 from .policy import RateLimit, SchedulerPolicy
 from .rate_limit import TokenBucket
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
 Clock = Callable[[], float]
-_OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in a user's output ratio
 TicketCallback = Callable[[Ticket], None]
 
 
@@ -97,11 +96,7 @@ class Scheduler:
         self._accounts: dict[str, UserAccount] = {}
         self._user_limits: dict[str, _Limits] = {}
         self._group_limits: dict[str, _Limits] = {}
-        self._served: dict[str, float] = {}  # decayed dispatched cost per class
-        self._served_at = clock()
-        # per user: exponentially weighted sums of real and of estimated output tokens of
-        # finished requests; their ratio scales the estimate counted toward min_share
-        self._output_ratio: dict[str, list[float]] = {}
+        self._shares = GroupShares(policy.share_window_s, clock)  # for min_share
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
         self.inflight_tokens = 0
@@ -121,11 +116,10 @@ class Scheduler:
         self._order = [self._queues[g.name] for g in policy.groups]
         for g in policy.groups:
             self._group_limits.setdefault(g.name, _Limits()).configure(g.limits, now)
-            self._served.setdefault(g.name, 0.0)
         for name in list(self._group_limits):
             if name not in self._queues:
                 del self._group_limits[name]
-                self._served.pop(name, None)
+        self._shares.configure(self._queues, policy.share_window_s)
         for uid, lim in self._user_limits.items():
             lim.configure(policy.user(uid).limits, now)
         # queued tickets of removed classes, or of users now in another class or with
@@ -256,7 +250,7 @@ class Scheduler:
         self._take_rate(user_id, gpol.name, ticket.reserved_tokens, now)
         acct = self._account(user_id, up.group, up.weight)
         if gpol.min_share > 0 and not len(queue):
-            self._lift_share(gpol.name, gpol.min_share, now)
+            self._shares.lift(gpol.name, gpol.min_share)
         queue.push(ticket, acct)
         self.queued += 1
         dl = self._deadlines
@@ -324,78 +318,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- dispatch
 
-    def _decay_served(self, now: float) -> None:
-        dt = now - self._served_at
-        if dt > 0:
-            f = math.exp(-dt / self.policy.share_window_s)
-            for k in self._served:
-                self._served[k] *= f
-            self._served_at = now
-
-    def _add_served(self, group: str, delta: float, charged_at: float | None = None) -> None:
-        """Add ``delta`` (negative: refund) to the decayed served cost of ``group``. A
-        refund that corrects a charge made at ``charged_at`` is decayed as that charge was."""
-        if group not in self._served or delta == 0:
-            return
-        now = self._clock()
-        self._decay_served(now)
-        if delta < 0 and charged_at is not None and now > charged_at:
-            delta *= math.exp(-(now - charged_at) / self.policy.share_window_s)
-        self._served[group] = max(0.0, self._served[group] + delta)
-
-    def _expected_output(self, ticket: Ticket) -> float:
-        """Output tokens ``ticket`` is expected to produce: its estimate scaled by the
-        ratio of real to estimated output of its user's recent finished requests (the
-        estimate itself until one has finished).
-
-        User counters are charged the plain estimate (an over-estimate there only shifts
-        a counter by a bounded amount while the request runs); a class's share is a
-        ratio of decayed sums, where a systematic over-estimate of its requests in flight
-        would be a proportional error, so ``min_share`` counts this expectation instead.
-        """
-        r = self._output_ratio.get(ticket.user_id)
-        if r is None or r[1] <= 0:
-            return float(ticket.max_output_tokens)
-        return ticket.max_output_tokens * r[0] / r[1]
-
-    def _learn_output(self, ticket: Ticket, output_tokens: int) -> None:
-        if ticket.max_output_tokens <= 0:
-            return
-        r = self._output_ratio.get(ticket.user_id)
-        if r is None:
-            self._output_ratio[ticket.user_id] = [float(output_tokens), float(ticket.max_output_tokens)]
-        else:
-            keep = 1.0 - _OUTPUT_RATIO_ALPHA
-            r[0] = r[0] * keep + output_tokens
-            r[1] = r[1] * keep + ticket.max_output_tokens
-
-    def _lift_share(self, group: str, min_share: float, now: float) -> None:
-        """A class with ``min_share`` that starts waiting again is credited up to its
-        share: time it spent idle is not owed to it later (as an idle user's counter is
-        lifted in :mod:`qos.fair_queue`), so it cannot come back with a burst that holds
-        off the higher classes for many slot turnovers."""
-        if min_share >= 1.0:
-            return
-        self._decay_served(now)
-        others = sum(v for k, v in self._served.items() if k != group)
-        floor = min_share / (1.0 - min_share) * others
-        if self._served.get(group, 0.0) < floor:
-            self._served[group] = floor
-
     def _pick_queue(self) -> FairQueue | None:
-        share_groups = [g for g in self.policy.groups if g.min_share > 0 and len(self._queues[g.name])]
-        if share_groups:
-            self._decay_served(self._clock())
-            total = sum(self._served.values())
-            best, best_deficit = None, 0.0
-            for g in share_groups:
-                share = self._served[g.name] / total if total > 0 else 0.0
-                deficit = g.min_share - share
-                if deficit > best_deficit:
-                    best, best_deficit = g, deficit
-            if best is not None:
-                # served only if a higher class is competing; otherwise strict order picks it anyway
-                return self._queues[best.name]
+        owed = [(g.name, g.min_share) for g in self.policy.groups if g.min_share > 0 and len(self._queues[g.name])]
+        if owed:
+            name = self._shares.most_owed(owed)
+            if name is not None:
+                return self._queues[name]
         for q in self._order:
             if len(q):
                 return q
@@ -422,10 +350,9 @@ class Scheduler:
             ticket.admitted_at = self._clock()
             self.inflight.add(ticket)
             self.inflight_tokens += ticket.reserved_tokens
-            self._decay_served(ticket.admitted_at)
-            share_cost = policy.cost.cost(ticket.prompt_tokens, self._expected_output(ticket))
+            share_cost = policy.cost.cost(ticket.prompt_tokens, self._shares.expected_output(ticket.user_id, ticket.max_output_tokens))
             ticket.share_charged = share_cost
-            self._served[ticket.group] = self._served.get(ticket.group, 0.0) + share_cost
+            self._shares.add(ticket.group, share_cost)
             self._on_admit(ticket)
 
     # ------------------------------------------------------------- lifecycle
@@ -476,7 +403,7 @@ class Scheduler:
             self._queue_of(ticket).charge(acct, cost - ticket.charged)
             ticket.charged = cost
         if cost > ticket.share_charged:
-            self._add_served(ticket.group, cost - ticket.share_charged)
+            self._shares.add(ticket.group, cost - ticket.share_charged)
             ticket.share_charged = cost
 
     def _queue_of(self, ticket: Ticket) -> FairQueue:
@@ -510,9 +437,9 @@ class Scheduler:
         ticket.charged = actual
         # the class's share (min_share) is trued up too, or an error of the estimate at
         # dispatch would count as service the class never got (or did not pay for)
-        self._add_served(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
+        self._shares.add(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
         ticket.share_charged = actual
-        self._learn_output(ticket, out)
+        self._shares.learn_output(ticket.user_id, ticket.max_output_tokens, out)
         now = self._clock()
         tokens_delta = prompt + out - ticket.reserved_tokens
         for lim in (self._user_limits.get(ticket.user_id), self._group_limits.get(ticket.group)):
