@@ -100,7 +100,7 @@ class Admission:
 def _fresh(refusal: Refused) -> Refused:
     """A new exception carrying ``refusal``'s reason: the ticket's own stays free of
     tracebacks (which would tie the ticket to the frames that raised it)."""
-    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail)
+    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail, refusal.scope, refusal.limit)
 
 
 __all__ = ["Admission", "Refused", "RefusalReason"]

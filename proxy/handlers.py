@@ -44,7 +44,8 @@ _NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no o
 
 def _refusal_response(r: Refused) -> web.Response:
     status = 503 if r.reason in _SERVICE_UNAVAILABLE else 429
-    return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s)
+    extra = {"scope": r.scope, "limit": r.limit} if r.scope else None  # which rate limit tripped
+    return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s, extra=extra)
 
 
 async def handle_generation(
