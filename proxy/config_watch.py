@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from .config import ConfigError, config_digest, parse_config
+from .metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.config")
@@ -55,7 +56,7 @@ def _failed(state: ProxyState, message: str) -> bool:
     if message != state.last_error:
         log.error("config reload failed, keeping the active config (hash %s): %s", state.active.digest, message)
     state.last_error = message
-    state.metrics.config_reloads.labels("error").inc()
+    state.metrics.config_reloads.labels(RELOAD_ERROR).inc()
     return False
 
 

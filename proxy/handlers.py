@@ -128,7 +128,7 @@ async def handle_generation(
                 upstream.release()
             else:
                 upstream.close()  # aborts the generation upstream
-                state.metrics.upstream_aborts.labels(ex.outcome or "error").inc()
+                state.metrics.upstream_aborts.labels(ex.outcome or m.ABORT_UNKNOWN).inc()
         if ex.output_tokens == 0 and ex.outcome in _NOTHING_SERVED:
             ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
         admission.release(ticket, ex.prompt_tokens, ex.output_tokens)

@@ -84,7 +84,7 @@ def _write(path: Path, cfg: dict) -> None:
 
 
 def _reloads(state, result: str) -> float:
-    return state.metrics.config_reloads.labels(result)._value.get()
+    return state.metrics.registry.get_sample_value("llm_qos_config_reloads_total", {"result": result})
 
 
 async def _watching(state):
