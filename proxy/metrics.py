@@ -105,6 +105,12 @@ class _SchedulerCollector(Collector):
         for g in s.policy.groups:
             floor.add_metric([g.name], g.min_share)
         yield floor
+        weight = GaugeMetricFamily(
+            "llm_qos_cost_weight", "Cost of one token by direction (cost.input_weight, cost.output_weight): service = tokens weighted by this.", labels=["direction"]
+        )
+        weight.add_metric(["prompt"], s.policy.cost.input_weight)
+        weight.add_metric(["completion"], s.policy.cost.output_weight)
+        yield weight
         yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=len(s.inflight))
         yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + max output) of requests in flight.", value=s.inflight_tokens)
 

@@ -62,6 +62,8 @@ def test_alerting_series_exist_at_zero_from_start_up(tmp_path):
         assert value(scrape, "llm_qos_group_min_share", group=group) == 0.0
     for result in RELOAD_RESULTS:
         assert value(scrape, "llm_qos_config_reloads_total", result=result) == 0.0
+    assert value(scrape, "llm_qos_cost_weight", direction="prompt") == 1.0
+    assert value(scrape, "llm_qos_cost_weight", direction="completion") == 2.0
     for reason in ABORT_REASONS:
         assert value(scrape, "llm_qos_upstream_aborts_total", reason=reason) == 0.0
 
