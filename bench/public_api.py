@@ -14,7 +14,8 @@ Two hot-path operations had private shortcuts, replaced by public ways:
 
 For each: the stock public call, the public way the proxy uses, and what it means for
 one finished request (5 labelled metric updates and 1 access-log line, as in
-``proxy.handlers._account`` and ``_log_access``). Timings are the median of
+``proxy.handlers._account`` and ``_log_access``). Also timed: the dashboard's per-user
+tally (``proxy.dashboard.UserUsage.record``), which every released request feeds. Timings are the median of
 ``--repeats`` runs of ``--iters`` calls (the machine may be shared).
 
     python -m bench.public_api
@@ -111,10 +112,35 @@ def log_timings(iters: int, repeats: int) -> dict[str, float]:
         for _ in range(n):
             log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, LINE, None, None))
 
-    out = {"Logger.info() (finds the caller)": _time(info, iters, repeats), "makeRecord() + handle() (the proxy's way)": _time(record, iters, repeats)}
+    def find_caller(n: int) -> None:
+        for _ in range(n):
+            log.findCaller()
+
+    out = {
+        "Logger.info() (finds the caller)": _time(info, iters, repeats),
+        "makeRecord() + handle() (the proxy's way)": _time(record, iters, repeats),
+        "Logger.findCaller() alone (what is skipped)": _time(find_caller, iters, repeats),
+    }
     for h in log.handlers:
         h.flush()
     return out
+
+
+def usage_timing(iters: int, repeats: int) -> dict[str, float]:
+    """Microseconds per ``UserUsage.record`` (50 users taking turns)."""
+    from proxy.dashboard import UserUsage
+    from qos import Ticket
+
+    usage = UserUsage()
+    tickets = [Ticket(seq=i, user_id=f"u{i % 50}", group="g", prompt_tokens=10, max_output_tokens=10, enqueued_at=0.0, deadline=0.0) for i in range(1000)]
+    for t in tickets:
+        t.charged = 30.0
+
+    def record(n: int) -> None:
+        for i in range(n):
+            usage.record(tickets[i % 1000])
+
+    return {"UserUsage.record() (dashboard tally)": _time(record, iters, repeats)}
 
 
 def main() -> None:
@@ -124,8 +150,9 @@ def main() -> None:
     a = ap.parse_args()
     labels = label_timings(a.iters, a.repeats)
     logs = log_timings(max(1, a.iters // 4), a.repeats)
+    usage = usage_timing(a.iters, a.repeats)
     print(f"{'operation':48s} {'µs/call':>9s}")
-    for name, us in {**labels, **logs}.items():
+    for name, us in {**labels, **logs, **usage}.items():
         print(f"{name:48s} {us:9.3f}")
     stock = labels["stock labels() (counter, 2 labels)"] * 4 + labels["stock labels() (histogram, 1 label)"]
     cached = labels["LabelCache.labels() (counter)"] * 4 + labels["LabelCache.labels() (histogram)"]
@@ -133,7 +160,7 @@ def main() -> None:
     print()
     print(f"per request ({LABEL_CALLS_PER_REQUEST} labelled updates, {LOG_LINES_PER_REQUEST} access line):")
     print(f"  labels(): stock {stock:.2f} µs, cached {cached:.2f} µs (saves {stock - cached:.2f} µs)")
-    print(f"  access line: Logger.info {info:.2f} µs, makeRecord+handle {rec:.2f} µs (saves {info - rec:.2f} µs)")
+    print(f"  access line: Logger.info {info:.2f} µs, makeRecord+handle {rec:.2f} µs; the caller lookup skipped: {logs['Logger.findCaller() alone (what is skipped)']:.2f} µs")
 
 
 if __name__ == "__main__":
