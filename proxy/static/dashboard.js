@@ -80,7 +80,8 @@
     $("#key-panel").hidden = true;
     $("#forget").hidden = false;
     $("#config-hash").textContent = d.config_hash || dash;
-    $("#window").textContent = d.covered_s < d.window_s ? `${num(d.covered_s, 0)} s (filling ${num(d.window_s)} s)` : `${num(d.window_s)} s`;
+    // covered_s: the history behind the rates; short after start-up, long after a pause in polling
+    $("#window").textContent = d.covered_s < d.window_s ? `${num(d.covered_s, 0)} s (filling ${num(d.window_s)} s)` : `${num(d.covered_s, 0)} s`;
     $("#w-in").textContent = d.cost.input_weight;
     $("#w-out").textContent = d.cost.output_weight;
 
@@ -145,7 +146,7 @@
       }),
     );
 
-    $("#refusals-window").textContent = `last ${num(Math.min(d.covered_s, d.window_s))} s`;
+    $("#refusals-window").textContent = `last ${num(d.covered_s)} s`;
     const reasons = Object.entries(d.refusals.by_reason).sort((a, b) => b[1] - a[1]);
     $("#no-refusals").hidden = reasons.length > 0;
     $("#refusals tbody").replaceChildren(
