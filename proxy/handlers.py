@@ -136,7 +136,7 @@ async def _generation(
     ex.queue_wait = loop.time() - ex.arrived_at
     upstream = None
     aborted = False
-    query = request.rel_url.raw_query_string
+    query = raw_query(request)
     try:
         try:
             upstream, plan = await _open(state, path, plan, ex, query, native)
@@ -225,6 +225,12 @@ async def _open(
     return upstream, plan
 
 
+def raw_query(request: web.Request) -> str:
+    """The client's query string exactly as it sent it (still percent-encoded; the
+    parsed ``rel_url`` would decode ``%2F`` and the like)."""
+    return request.raw_path.partition("?")[2]
+
+
 def _message_of(body: bytes) -> str:
     try:
         obj = orjson.loads(body)
@@ -311,7 +317,7 @@ async def models(request: web.Request) -> web.Response:
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
     rid = request_id_of(request.headers)
     try:
-        upstream = await state.upstream.open("GET", "/v1/models", query=request.rel_url.raw_query_string, request_id=rid)
+        upstream = await state.upstream.open("GET", "/v1/models", query=raw_query(request), request_id=rid)
     except UpstreamError as e:
         return error_response(e.status, e.message, code=e.code)
     try:

@@ -49,6 +49,12 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
     await site.start()
+    # the signal handlers before the ready line: a SIGTERM right after it must drain
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
     print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
 
@@ -56,11 +62,6 @@ async def serve(
     # collector's full passes, which otherwise stall the loop for ~0.1-0.4 s at depth
     gc.collect()
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     watcher = asyncio.create_task(watch_config(state, stop)) if watch else None
     _flush_access_log(loop)
     try:

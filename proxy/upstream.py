@@ -165,7 +165,9 @@ class Upstream:
         except aiohttp.ClientConnectorError as e:
             raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
         except aiohttp.ClientResponseError as e:
-            raise UpstreamError(502, "upstream_bad_response", f"the upstream's answer could not be read: {e.message}", aborted=True) from None
+            # the parser's first line only: the rest echoes the upstream's bytes
+            reason = str(e.message).splitlines()[0][:200] if e.message else type(e).__name__
+            raise UpstreamError(502, "upstream_bad_response", f"the upstream's answer could not be read: {reason}", aborted=True) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             raise UpstreamError(502, "upstream_disconnected", f"the upstream closed the connection without answering: {e}") from None
         except aiohttp.ClientError as e:
