@@ -275,7 +275,9 @@ def _log_access(ex: Exchange, now: float) -> None:
             "output_tokens": ex.output_tokens,
         }
     ).decode()
-    access_log.handle(logging.makeLogRecord({"name": access_log.name, "levelno": logging.INFO, "levelname": "INFO", "msg": line}))
+    # a record made directly: no caller lookup (logger.info's stack walk) for a line whose
+    # source is always this function
+    access_log.handle(logging.LogRecord(access_log.name, logging.INFO, __file__, 0, line, None, None))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -91,8 +91,12 @@ def _needs_parse(payload: bytes) -> bool:
     ``finish_reason``: only those are JSON-parsed."""
     if b'"usage"' in payload or b'"error"' in payload:
         return True
-    f = payload.count(b'"finish_reason"')
-    return bool(f) and f != payload.count(b'"finish_reason":null')
+    i = payload.find(b'"finish_reason"')
+    while i != -1:
+        if not payload.startswith(b'"finish_reason":null', i):
+            return True
+        i = payload.find(b'"finish_reason"', i + 15)
+    return False
 
 
 def error_of(obj: object) -> dict | None:
@@ -161,14 +165,13 @@ class SSEScanner:
         if not buf and not self.native and chunk.startswith(b"data:") and chunk.endswith(b"\n\n"):
             # the common case, whole one-line data events with nothing to parse: count
             # them without copying (same result as the general path, a third of its cost)
-            n = chunk.count(b"\n\n")
-            if (
-                chunk.count(b"\n") == 2 * n
-                and (n == 1 or chunk.count(b"\n\ndata:") == n - 1)
-                and b"\r" not in chunk
-                and b"[DONE]" not in chunk
-                and not _needs_parse(chunk)
-            ):
+            if chunk.find(b"\n") == len(chunk) - 2:
+                n = 1  # one event, one line
+            else:
+                n = chunk.count(b"\n\n")
+                if chunk.count(b"\n") != 2 * n or chunk.count(b"\n\ndata:") != n - 1:
+                    n = 0
+            if n and b"\r" not in chunk and b"[DONE]" not in chunk and not _needs_parse(chunk):
                 self.tokens += n
                 self.events += n
                 return
