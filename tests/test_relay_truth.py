@@ -627,3 +627,35 @@ async def test_a_slow_stream_reaches_the_client_event_by_event(proxy, up, model)
             first_seen.set()
             rest = await r.read()
     assert got == chat_chunk("first") and rest == chat_chunk(None, "stop") + DONE
+
+
+async def test_done_without_a_space_is_the_engines_own_end(proxy, up, model):
+    sent = events(chat_chunk("a"), b"data:[DONE]\n\n")  # "data:" with no space is valid SSE
+    up.on(model, stream([sent]))
+    assert (await call(proxy.url, chat(model, stream=True)))[2] == sent  # no second [DONE]
+
+
+async def test_curl_expect_100_continue_with_a_large_prompt(proxy, up, model):
+    """curl sends ``Expect: 100-continue`` before a large body and waits for the go-ahead;
+    the proxy gives it at once, and the header goes no further than the proxy."""
+    answer = b'{"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":1}}'
+    up.on(model, reply(response(200, JSON, answer)))
+    body = json.dumps(chat(model, messages=[{"role": "user", "content": "z" * 5000}])).encode()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-carl-secret\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        head_ = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head_.startswith(b"HTTP/1.1 200 ")
+        length = int(next(h.split(b":")[1] for h in head_.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        assert await reader.readexactly(length) == answer
+    finally:
+        writer.close()
+    assert "expect" not in up.seen_for(model)[0].headers
