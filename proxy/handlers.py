@@ -311,17 +311,29 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``, passed through from the upstream (401 without a known key
-    when ``identity.require_api_key`` is on)."""
+    """``GET /v1/models`` (and ``HEAD``), passed through from the upstream with its query
+    string and end-to-end headers (401 without a known key when
+    ``identity.require_api_key`` is on); every answer carries ``X-Request-Id``."""
+    rid = request_id_of(request.headers)
+    resp = await _models(request, rid)
+    if REQUEST_ID not in resp.headers:
+        resp.headers[REQUEST_ID] = rid
+    return resp
+
+
+async def _models(request: web.Request, rid: str) -> web.Response:
     state = request.app[STATE]
     active = state.active
     if active.identity.require_api_key and not active.identity.resolve(request.headers).authenticated:
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
-    rid = request_id_of(request.headers)
     try:
         upstream = await state.upstream.open("GET", "/v1/models", query=raw_query(request), request_id=rid)
     except UpstreamError as e:
         return error_response(e.status, e.message, code=e.code)
+    coding = content_coding(upstream.headers)
+    if coding not in DECODED_CODINGS:
+        upstream.close()
+        return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
     try:
         body = await upstream.read()
     except (aiohttp.ClientError, TimeoutError):

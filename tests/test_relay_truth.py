@@ -603,8 +603,9 @@ async def test_a_close_delimited_stream_without_chunking_is_relayed(proxy, up, m
 
 async def test_head_and_options(proxy, up):
     up.on("/v1/models", reply(response(200, JSON, b'{"object":"list","data":[]}')))
-    status, headers, raw = await call(proxy.url, method="HEAD", path="/v1/models")
+    status, headers, raw = await call(proxy.url, method="HEAD", path="/v1/models", headers={"X-Request-Id": "head-1"})
     assert status == 200 and raw == b"" and headers["Content-Type"] == "application/json"
+    assert headers["X-Request-Id"] == "head-1" and up.seen_for("/v1/models")[-1].method == "GET"
     status, headers, raw = await call(proxy.url, method="OPTIONS", path=CHAT)
     assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
     assert "POST" in headers["Allow"]
