@@ -2,7 +2,9 @@
 
 It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not)
 with ``max_tokens`` tokens (default 16), after ``ttft_s`` seconds for the first token and
-``itl_s`` between tokens. Per-request overrides ride in the body (the proxy forwards the
+``itl_s`` between tokens. A stream's last token chunk carries ``usage`` (as transformers
+serve sends it) unless the request asks ``stream_options.include_usage``: then, as vLLM
+and OpenAI, a separate last chunk with ``choices: []`` carries it. Per-request overrides ride in the body (the proxy forwards the
 body unchanged): ``"fake": {"ttft_s": 0.5, "itl_s": 0.01, "no_done": true,
 "usage": false, "fail_after": 3, "status": 500}``.
 
@@ -119,7 +121,15 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 return resp
             await resp.write(_chunk(i, created, chat, False, n, prompt, False))
             stats.tokens_sent += 1
-        await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True)))
+        opts = body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            # as vLLM and OpenAI: the last chunk carries the finish_reason, then a
+            # usage-only chunk with no choices
+            await resp.write(_chunk(n, created, chat, True, n, prompt, False))
+            usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+            await resp.write(b"data: " + orjson.dumps({"id": "fake", "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": MODEL, "choices": [], "usage": usage}) + b"\n\n")
+        else:
+            await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True)))
         if not fake.get("no_done"):
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -33,7 +33,10 @@ async def guard(request: web.Request, handler):
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
         msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
-        return error_response(e.status, msg, code=code)
+        resp = error_response(e.status, msg, code=code)
+        if "Allow" in e.headers:  # a 405 must say which methods the route takes (RFC 9110 §15.5.6)
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     finally:
         state.open_requests -= 1
 

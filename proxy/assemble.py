@@ -12,6 +12,13 @@ the concatenated ``content`` / ``refusal`` / ``reasoning_content`` (chat) or ``t
 (completions), ``tool_calls`` merged by their ``index`` (ids, names and argument
 fragments joined, as the OpenAI streaming format splits them), ``logprobs`` lists joined,
 the last non-null ``finish_reason``, any other choice field as last seen; and ``usage``.
+
+The answer tells the truth about the stream it came from: an in-band error event
+becomes an error answer (the engine's error object, with the engine's numeric ``code``
+as the status when it is one, else 502), and a stream that ended before every choice
+got its ``finish_reason`` (and without ``[DONE]``) becomes a 502
+``upstream_stream_incomplete``: never a 200 with partial text. The request body the
+proxy sends upstream instead is built by :mod:`proxy.upstream_body`.
 """
 
 from __future__ import annotations
@@ -23,21 +30,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .metrics import OUTCOME_OK
-from .relay import Exchange, sse_payloads
+from .errors import engine_error_response, error_response
+from .metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from .relay import Exchange, note_upstream_id
+from .relay_headers import client_headers
+from .sse import SSEScanner, event_payloads
 
 _TEXT_FIELDS = ("content", "refusal", "reasoning_content")
-
-
-def stream_request_body(fields: dict) -> bytes:
-    """The body to send upstream instead: the client's with ``stream: true`` and
-    ``stream_options.include_usage: true`` (so the real token counts come back)."""
-    out = dict(fields)
-    out["stream"] = True
-    opts = dict(out.get("stream_options") or {})
-    opts["include_usage"] = True
-    out["stream_options"] = opts
-    return orjson.dumps(out)
 
 
 class Assembler:
@@ -157,46 +156,70 @@ def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
     return acc
 
 
-async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: bool) -> web.Response:
+async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: bool, choices: int = 1) -> web.Response:
     """Read the upstream's SSE answer to the end and answer with the assembled JSON.
 
     Args:
         upstream: the upstream response (status 200, ``text/event-stream``).
-        ex: the :class:`proxy.relay.Exchange`; token counts and outcome are set.
+        ex: the :class:`proxy.relay.Exchange`; status, token counts and outcome are set.
         chat: chat completions (True) or text completions (False).
+        choices: how many choices the client asked for (``n``).
 
     Returns:
-        An aiohttp JSON response.
+        The assembled answer (200, with the upstream's end-to-end headers); or an error
+        answer: the engine's in-band error, or 502 ``upstream_stream_incomplete``.
 
     Raises:
         aiohttp.ClientError, TimeoutError: the upstream broke before the end (the caller
             answers 502).
+        EventTooLarge: one event grew past ``proxy.sse.MAX_EVENT_BYTES`` (likewise).
         asyncio.CancelledError: the client went away (the caller aborts the upstream,
             which now aborts the generation).
     """
     asm = Assembler(chat)
-    events = 0
+    scanner = SSEScanner()
     buf = bytearray()
     async for chunk in upstream.content.iter_any():
+        scanner.feed(chunk)
         buf += chunk
-        for payload in sse_payloads(buf):
-            try:
-                asm.add(orjson.loads(payload))
-            except orjson.JSONDecodeError:
-                continue
-            events += 1
+        _fold(asm, event_payloads(buf))
+    ex.upstream_ended = True
+    scanner.end()
     buf += b"\n\n"  # an unterminated last event
-    for payload in sse_payloads(buf):
+    _fold(asm, event_payloads(buf))
+    ex.first_byte_at = asyncio.get_running_loop().time()
+    note_upstream_id(ex, upstream.headers)
+    headers = client_headers(upstream.headers, ex.request_id)
+    for h in ("Content-Type", "Cache-Control", "X-Accel-Buffering"):  # those of the stream
+        headers.popall(h, None)
+    if scanner.error is not None:
+        ex.outcome = OUTCOME_UPSTREAM_ERROR
+        ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
+        ex.output_tokens = scanner.tokens
+        resp = engine_error_response(scanner.error)
+    elif not scanner.complete(choices):
+        ex.outcome = OUTCOME_UPSTREAM_ERROR
+        ex.detail = "stream ended without any event" if scanner.events == 0 else "stream ended without finish_reason or [DONE]"
+        ex.output_tokens = scanner.tokens
+        resp = error_response(502, "the upstream stream ended before it finished", code="upstream_stream_incomplete")
+    else:
+        body = asm.result()
+        usage = body.get("usage") or {}
+        out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        ex.output_tokens = out if isinstance(out, int) else scanner.tokens
+        ex.prompt_tokens = prompt if isinstance(prompt, int) else None
+        ex.outcome = OUTCOME_OK
+        resp = web.Response(body=orjson.dumps(body), content_type="application/json")
+    for k, v in headers.items():
+        if k not in resp.headers:
+            resp.headers.add(k, v)
+    ex.status = resp.status
+    return resp
+
+
+def _fold(asm: Assembler, payloads: list[bytes]) -> None:
+    for payload in payloads:
         try:
             asm.add(orjson.loads(payload))
-            events += 1
         except orjson.JSONDecodeError:
-            pass
-    ex.first_byte_at = asyncio.get_running_loop().time()
-    body = asm.result()
-    usage = body.get("usage") or {}
-    out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-    ex.output_tokens = out if isinstance(out, int) else events
-    ex.prompt_tokens = prompt if isinstance(prompt, int) else None
-    ex.outcome = OUTCOME_OK
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+            continue

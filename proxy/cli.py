@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--port", type=int, default=8000)
     px.add_argument("--upstream", default=None, help="upstream base URL; overrides upstream.url")
     px.add_argument("--no-watch", action="store_true", help="do not watch the config file; reload only on SIGHUP or POST /admin/reload")
+    px.add_argument("--log-format", choices=("text", "json"), default="text", help="diagnostic log on stderr: readable text (default) or one JSON object per line")
+    px.add_argument("--access-log", default="-", metavar="PATH", help="where the access log (one JSON object per request) goes: - for stderr (default), or a file appended to")
 
     en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, CPU engine otherwise)", add_help=False)
     en.add_argument("args", nargs=argparse.REMAINDER)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "proxy":
         from .server import run
 
-        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch)
+        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch, log_format=args.log_format, access_log=args.access_log)
     if args.command == "check-config":
         return check_config(args.file)
     if args.command == "up":

@@ -79,6 +79,10 @@ class UpstreamConfig(_Model):
     leaves a non-streaming request aborts the generation on engines that abort only
     streams (``transformers serve``).
 
+    ``stream_usage``: on a stream whose client did not ask for usage, ask the engine for
+    it (``stream_options.include_usage``) and remove it before the client sees it, so
+    the real token count trues up the fair-share counters (:mod:`proxy.upstream_body`).
+
     ``kind`` selects protocol quirks: ``openai`` (vLLM, SGLang, transformers serve, hosted
     APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential
     for the upstream; clients' keys are never forwarded. ``load_signal``: see
@@ -95,6 +99,7 @@ class UpstreamConfig(_Model):
     keepalive_timeout_s: PositiveFloat = 4.0
     max_connections: int = Field(default=0, ge=0)
     stream_non_streaming: bool = False
+    stream_usage: bool = True
     load_signal: LoadSignalConfig = LoadSignalConfig()
 
     @field_validator("url")
@@ -102,6 +107,8 @@ class UpstreamConfig(_Model):
     def _url(cls, v: str) -> str:
         if not (v.startswith("http://") or v.startswith("https://")):
             raise ValueError("must start with http:// or https://")
+        if "?" in v or "#" in v:
+            raise ValueError("must not have a query (?...) or fragment (#...): the client's query string is passed to the upstream as is")
         return v.rstrip("/")
 
     def credential(self) -> str | None:
@@ -274,10 +281,18 @@ class Config(_Model):
 
 def with_upstream_url(config: Config, url: str | None) -> Config:
     """``config`` with ``upstream.url`` replaced by ``url`` (the CLI's ``--upstream``);
-    unchanged when ``url`` is ``None``."""
+    unchanged when ``url`` is ``None``.
+
+    Raises:
+        ConfigError: ``url`` is not a valid ``upstream.url``.
+    """
     if not url:
         return config
-    return config.model_copy(update={"upstream": config.upstream.model_copy(update={"url": url.rstrip("/")})})
+    try:
+        upstream = UpstreamConfig.model_validate({**config.upstream.model_dump(), "url": url})
+    except ValidationError as e:
+        raise ConfigError(_format_validation("--upstream", e)) from None
+    return config.model_copy(update={"upstream": upstream})
 
 
 class ConfigError(Exception):

@@ -66,3 +66,24 @@ def error_response(
 def sse_error_event(message: str, code: str) -> bytes:
     """A terminal SSE event for a stream that fails after its headers were sent."""
     return b"data: " + error_body(502, message, code) + b"\n\n"
+
+
+def engine_error_response(err: dict) -> web.Response:
+    """An error the engine reported inside a stream (``data: {"error": {...}}``), answered
+    to a client that asked for a non-streaming answer: the engine's error object as the
+    body's ``error``, and the engine's numeric ``code`` (or ``status``) as the HTTP
+    status when it is a 4xx/5xx, else 502.
+
+    Args:
+        err: the engine's error object (``proxy.sse.error_of``).
+    """
+    status = 502
+    for key in ("code", "status"):
+        v = err.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
+            status = v
+            break
+    body = {k: v for k, v in err.items() if k != "object"}
+    body.setdefault("message", "the upstream reported an error")
+    body.setdefault("type", _TYPES.get(status, "error"))
+    return web.Response(status=status, body=orjson.dumps({"error": body}), content_type="application/json")

@@ -1,26 +1,31 @@
 """Relaying one upstream answer to the client, and counting its tokens on the way.
 
 Streaming: every chunk the upstream sends is written to the client as it arrives, as
-bytes, unparsed (aiohttp's ``write`` waits while the client's socket buffer is full, so a
-slow reader holds back the upstream instead of growing our memory). A light scanner
-follows the SSE event boundaries beside the relay to count output tokens (one event ~
-one token) and to pick up ``usage`` when the upstream reports it; only events that
-mention ``usage`` (OpenAI) or every event of LightLLM's native stream (which carries
-``count_output_tokens`` and ``finished``) are JSON-parsed.
+bytes (aiohttp's ``write`` waits while the client's socket buffer is full, so a slow
+reader holds back the upstream instead of growing our memory). An :class:`~proxy.sse.SSEScanner`
+follows the events beside the relay to count output tokens, pick up ``usage``, and see
+how the stream ends. When the proxy asked for usage the client did not, a
+:class:`~proxy.sse.UsageStripper` removes it first (``proxy.upstream_body``).
 
-Stream endings (``shared/interop/lightllm.md``, ``shared/interop/cpu-engine.md``):
+The relay tells the truth about how a stream ended (``shared/interop/lightllm.md``,
+``shared/interop/cpu-engine.md``):
 
-* OpenAI-style streams from transformers serve and LightLLM end without
-  ``data: [DONE]``; the relay appends it so OpenAI clients end cleanly.
-* LightLLM's native stream ends with an event whose ``finished`` is true; a stream that
-  ends without one is an upstream failure, and the client gets a terminal error event.
-* A connection broken mid-stream also ends with a terminal error event.
+* it adds ``data: [DONE]`` only to an OpenAI-style stream that really finished: every
+  choice got its ``finish_reason`` (transformers serve and LightLLM's chat route end so,
+  without ``[DONE]``); a stream that carried its own ``[DONE]`` gets nothing added;
+* LightLLM's native stream ends with an event whose ``finished`` is true, and gets
+  nothing added;
+* an in-band error event (``data: {"error": ...}``) is relayed as the engine sent it, with
+  nothing added, and counted ``upstream_error``;
+* every other end (no events at all, no ``finish_reason``, a broken connection, an idle
+  upstream) gets a terminal error event and is counted ``upstream_error``.
+
+Response headers are the upstream's, filtered by :mod:`proxy.relay_headers`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,155 +35,51 @@ from aiohttp import web
 
 from .errors import sse_error_event
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from .relay_headers import REQUEST_ID, client_headers
+from .sse import EventTooLarge, SSEScanner, UsageStripper, error_of
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 DONE_EVENT = b"data: [DONE]\n\n"
-STREAM_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
+
+__all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "relay_body", "relay_stream", "usage_of"]
 
 
 @dataclass(slots=True)
 class Exchange:
-    """Accounting of one request as it is relayed.
+    """One request as the proxy handled it: what the access log, the metrics and the
+    scheduler's true-up read.
 
     Attributes:
         arrived_at: loop time (seconds) the request arrived.
+        request_id: the request's id (sent upstream and to the client).
+        user, group: the caller, once known ("" before).
+        model: the body's ``model`` (at most 128 characters), if any.
+        status: the HTTP status sent to the client (0: none yet; 499: the client left
+            before any).
+        queue_wait: seconds from arrival to dispatch (or to refusal), once known.
         first_byte_at: loop time the first answer byte was relayed, or ``None``.
         prompt_tokens: prompt tokens reported by the upstream, or ``None``.
         output_tokens: output tokens counted or reported so far.
         outcome: a ``proxy.metrics.OUTCOME_*`` value once known.
         detail: a short reason for a failure.
+        upstream_request_id: the engine's own ``X-Request-Id`` when it differs.
+        upstream_ended: the upstream answer was read to its end (its connection can be
+            reused; there is nothing to abort).
     """
 
     arrived_at: float
+    request_id: str = ""
+    user: str = ""
+    group: str = ""
+    model: str | None = None
+    status: int = 0
+    queue_wait: float | None = None
     first_byte_at: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int = 0
     outcome: str = ""
     detail: str = ""
-
-
-def take_events(buf: bytearray) -> list[bytes]:
-    """Remove the complete SSE events (terminated by a blank line, ``\n`` or ``\r\n``)
-    from the front of ``buf`` and return them, leading whitespace stripped; an
-    unterminated event stays in ``buf``."""
-    out = []
-    start = 0
-    for m in _EVENT_END.finditer(buf):
-        out.append(bytes(buf[start : m.start()]).lstrip())
-        start = m.end()
-    if start:
-        del buf[:start]
-    return out
-
-
-def sse_payloads(buf: bytearray) -> list[bytes]:
-    """Remove the complete events from ``buf`` and return their ``data:`` payloads
-    (stripped; ``[DONE]`` and events without data left out)."""
-    out = []
-    for ev in take_events(buf):
-        if ev.startswith(b"data:"):
-            payload = ev[5:].strip()
-            if payload and payload != b"[DONE]":
-                out.append(payload)
-    return out
-
-
-class SSEScanner:
-    """Follows SSE events across arbitrary chunk boundaries.
-
-    Args:
-        native: True for LightLLM's native ``/generate_stream`` events.
-
-    Attributes:
-        tokens: output tokens so far (events, or the engine's own count when given).
-        prompt_tokens: from a ``usage`` object, when one was seen.
-        done: ``data: [DONE]`` was seen.
-        finished: a native event with ``finished: true`` was seen.
-        partial: bytes of an unterminated event are pending.
-    """
-
-    __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished")
-
-    def __init__(self, native: bool = False) -> None:
-        self.native = native
-        self._buf = bytearray()
-        self.tokens = 0
-        self.prompt_tokens: int | None = None
-        self.done = False
-        self.finished = False
-
-    @property
-    def partial(self) -> bool:
-        return bool(self._buf.strip())
-
-    def feed(self, chunk: bytes) -> None:
-        """Scan ``chunk``; complete events update the counters."""
-        buf = self._buf
-        if (
-            not buf
-            and not self.native
-            and chunk.endswith(b"\n\n")
-            and b"\r" not in chunk
-            and b'"usage"' not in chunk
-            and b"[DONE]" not in chunk
-        ):
-            # the common case, whole events and nothing to parse: count the data events
-            # without copying (same result as the general path below, a third of its cost)
-            if chunk.count(b"\n\n") == 1:
-                self.tokens += chunk.lstrip().startswith(b"data:")
-            else:
-                self.tokens += sum(1 for ev in chunk.split(b"\n\n") if ev.lstrip().startswith(b"data:"))
-            return
-        buf += chunk
-        for ev in take_events(buf):
-            self._event(ev)
-
-    def _event(self, ev: bytes) -> None:
-        if not ev.startswith(b"data:"):
-            return
-        payload = ev[5:].strip()
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        if self.native:
-            self._native(payload)
-            return
-        self.tokens += 1
-        if b'"usage"' in payload:
-            try:
-                usage = orjson.loads(payload).get("usage")
-            except (orjson.JSONDecodeError, AttributeError):
-                return
-            if isinstance(usage, dict):
-                self._usage(usage)
-
-    def _usage(self, usage: dict) -> None:
-        out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-        if isinstance(out, int):
-            self.tokens = out
-        if isinstance(prompt, int):
-            self.prompt_tokens = prompt
-
-    def _native(self, payload: bytes) -> None:
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        token = obj.get("token")
-        count = token.get("count_output_tokens") if isinstance(token, dict) else None
-        # one event per token; the engine's own running count wins when it is ahead
-        self.tokens = max(self.tokens + 1, count) if _is_count(count) else self.tokens + 1
-        prompt = token.get("prompt_tokens") if isinstance(token, dict) else None  # LightLLM main only
-        if _is_count(prompt) and prompt > 0:
-            self.prompt_tokens = prompt
-        if obj.get("finished") is True:
-            self.finished = True
+    upstream_request_id: str | None = None
+    upstream_ended: bool = False
 
 
 def _is_count(v: object) -> bool:
@@ -196,6 +97,10 @@ def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None, None
+    return _usage(obj, native)
+
+
+def _usage(obj: object, native: bool) -> tuple[int | None, int | None]:
     if not isinstance(obj, dict):
         return None, None
     if native:
@@ -207,10 +112,17 @@ def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
     p, o = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (p if isinstance(p, int) else None), (o if isinstance(o, int) else None)
+    return (p if _is_count(p) else None), (o if _is_count(o) else None)
 
 
-_UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
+def note_upstream_id(ex: Exchange, headers) -> None:
+    """Record the engine's own request id when it differs from ours (for the access log)."""
+    rid = headers.get(REQUEST_ID)
+    if rid is not None and rid != ex.request_id:
+        ex.upstream_request_id = rid[:128]
+
+
+_UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError, EventTooLarge)
 
 
 async def relay_stream(
@@ -220,39 +132,56 @@ async def relay_stream(
     on_progress: Callable[[int], None],
     native: bool = False,
     write_timeout_s: float = 60.0,
+    choices: int = 1,
+    strip_usage: bool = False,
 ) -> web.StreamResponse:
-    """Relay an SSE answer chunk by chunk.
+    """Relay an SSE answer chunk by chunk, with the upstream's status and headers.
 
     Args:
         request: the client's request (the response is prepared on it).
-        upstream: the upstream response, status 200, body unread.
-        ex: updated with first-byte time, token counts and the outcome.
+        upstream: the upstream response, body unread.
+        ex: updated with status, first-byte time, token counts and the outcome.
         on_progress: called with the cumulative output token count as it grows.
         native: LightLLM native stream semantics (see module docstring).
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
+        choices: how many choices the client asked for (``n``): each must get its
+            ``finish_reason`` for a stream without ``[DONE]`` to count as finished.
+        strip_usage: remove the usage the proxy asked for and the client did not.
 
     Returns:
-        The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (the client got
-        a terminal error event), or ``client_disconnected`` (a write failed, or the client
-        read nothing for ``write_timeout_s`` and its connection was dropped); the caller
-        aborts the upstream unless it is ``ok``.
+        The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (an in-band
+        error, or the client got a terminal error event), or ``client_disconnected`` (a
+        write failed, or the client read nothing for ``write_timeout_s`` and its
+        connection was dropped). ``ex.upstream_ended`` says whether the upstream answer
+        was read to its end; if not, the caller aborts it.
 
     Raises:
         asyncio.CancelledError: the client disconnected (aiohttp cancelled the handler).
     """
     loop = asyncio.get_running_loop()
-    resp = web.StreamResponse(status=200, headers=STREAM_HEADERS)
+    headers = client_headers(upstream.headers, ex.request_id)
+    note_upstream_id(ex, upstream.headers)
+    if "Content-Type" not in headers:
+        headers["Content-Type"] = "text/event-stream"
+    if "Cache-Control" not in headers:
+        headers["Cache-Control"] = "no-cache"
+    headers["X-Accel-Buffering"] = "no"  # nginx in front: do not buffer the stream
+    resp = web.StreamResponse(status=upstream.status, headers=headers)
     await resp.prepare(request)
+    ex.status = upstream.status
     scanner = SSEScanner(native)
+    stripper = UsageStripper() if strip_usage else None
     watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
         try:
             async for chunk in upstream.content.iter_any():
                 if ex.first_byte_at is None:
                     ex.first_byte_at = loop.time()
-                watchdog.pending_since = loop.time()
-                await resp.write(chunk)  # waits while the client's socket is full
-                watchdog.pending_since = None
+                out = chunk if stripper is None else stripper.feed(chunk)
+                if out:
+                    watchdog.pending_since = loop.time()
+                    await resp.write(out)  # waits while the client's socket is full
+                    watchdog.pending_since = None
                 before = scanner.tokens
                 scanner.feed(chunk)
                 if scanner.tokens != before:
@@ -261,19 +190,39 @@ async def relay_stream(
         except _UPSTREAM_FAILURES as e:
             _take_counts(ex, scanner)
             ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"upstream stream broke: {type(e).__name__}"
+            held = stripper.flush() if stripper is not None else b""
+            pad = b"\n\n" if held.strip() or scanner.partial else b""
             if isinstance(e, TimeoutError):
                 ending = sse_error_event("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
+            elif isinstance(e, EventTooLarge):
+                ending = sse_error_event(str(e), "upstream_event_too_large")
             else:
                 ending = sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken")
+            ending = held + pad + ending
         else:
-            _take_counts(ex, scanner)
+            ex.upstream_ended = True
+            held = stripper.flush() if stripper is not None else b""
+            # an unterminated last event is terminated, so the client's parser sees it
             pad = b"\n\n" if scanner.partial else b""
-            if native and not scanner.finished:
-                ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, "native stream ended without finished:true"
-                ending = pad + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete")
-            else:
+            scanner.end()
+            _take_counts(ex, scanner)
+            ending = held + pad
+            if scanner.error is not None:
+                ex.outcome = OUTCOME_UPSTREAM_ERROR
+                ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
+            elif scanner.complete(choices):
                 ex.outcome = OUTCOME_OK
-                ending = b"" if native or scanner.done else pad + DONE_EVENT
+                if not native and not scanner.done:
+                    ending += DONE_EVENT
+            else:
+                ex.outcome = OUTCOME_UPSTREAM_ERROR
+                if native:
+                    ex.detail = "native stream ended without finished:true"
+                elif scanner.events == 0:
+                    ex.detail = "stream ended without any event"
+                else:
+                    ex.detail = "stream ended without finish_reason or [DONE]"
+                ending += sse_error_event("the upstream stream ended before it finished", "upstream_stream_incomplete")
         watchdog.pending_since = loop.time()
         if ending:
             await resp.write(ending)
@@ -329,18 +278,36 @@ def _take_counts(ex: Exchange, scanner: SSEScanner) -> None:
 
 
 async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: bool = False) -> web.Response:
-    """Relay a non-streaming answer whole, with the upstream's status and content type.
+    """Relay a whole (non-SSE) answer: the upstream's status, body bytes and headers.
+
+    A 2xx answer whose JSON body reports an error (``{"error": ...}``) is relayed as is
+    and counted ``upstream_error``, like every 4xx/5xx.
 
     Raises:
         asyncio.CancelledError: the client went away (the caller aborts the upstream).
         aiohttp.ClientError, TimeoutError: the upstream failed while sending the body.
     """
     body = await upstream.read()
+    ex.upstream_ended = True
     ex.first_byte_at = asyncio.get_running_loop().time()
-    if upstream.status == 200:
-        ex.prompt_tokens, out = usage_of(body, native)
-        if out is not None:
-            ex.output_tokens = out
-    ex.outcome = OUTCOME_OK if upstream.status < 400 else OUTCOME_UPSTREAM_ERROR
-    ctype = upstream.headers.get("Content-Type", "application/json")  # LightLLM /generate sends none
-    return web.Response(status=upstream.status, body=body, headers={"Content-Type": ctype})
+    headers = client_headers(upstream.headers, ex.request_id)
+    note_upstream_id(ex, upstream.headers)
+    if "Content-Type" not in headers:
+        headers["Content-Type"] = "application/json"  # LightLLM /generate sends none
+    failed = upstream.status >= 400
+    if upstream.status < 300:
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            obj = None
+        if error_of(obj) is not None:
+            failed, ex.detail = True, "error body with status %d" % upstream.status
+        else:
+            ex.prompt_tokens, out = _usage(obj, native)
+            if out is not None:
+                ex.output_tokens = out
+    if failed and not ex.detail:
+        ex.detail = "upstream answered %d" % upstream.status
+    ex.outcome = OUTCOME_UPSTREAM_ERROR if failed else OUTCOME_OK
+    ex.status = upstream.status
+    return web.Response(status=upstream.status, body=body, headers=headers)

@@ -12,6 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from . import log_filters
+from . import log_format as log_format_module
 from .admin import RELOADER
 from .app import create_app
 from .config import config_digest, parse_config
@@ -48,6 +49,12 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
     await site.start()
+    # the signal handlers before the ready line: a SIGTERM right after it must drain
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
     print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
 
@@ -55,11 +62,6 @@ async def serve(
     # collector's full passes, which otherwise stall the loop for ~0.1-0.4 s at depth
     gc.collect()
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     watcher = asyncio.create_task(watch_config(state, stop)) if watch else None
     _flush_access_log(loop)
     try:
@@ -80,21 +82,37 @@ ACCESS_LOG_BUFFER = 256  # lines
 ACCESS_LOG_FLUSH_S = 1.0
 
 
-def configure_logging() -> logging.handlers.MemoryHandler:
-    """Log to stderr; the access log (one line per request) is buffered like nginx's
-    ``access_log ... buffer= flush=``: written in batches of ``ACCESS_LOG_BUFFER`` lines,
-    and at least every ``ACCESS_LOG_FLUSH_S`` seconds by :func:`serve`, so the hot path
-    pays no write system call per request. Returns the access log's buffer."""
+def configure_logging(log_format: str = "text", access_log: str | None = None) -> logging.handlers.MemoryHandler:
+    """Set up the two logs (:mod:`proxy.log_format`): the diagnostic log on stderr as
+    ``log_format`` (``text`` or ``json``); the access log, one JSON object per line, on
+    stderr or appended to the file ``access_log`` (reopened when logrotate moves it).
+
+    The access log is buffered like nginx's ``access_log ... buffer= flush=``: written in
+    batches of ``ACCESS_LOG_BUFFER`` lines, and at least every ``ACCESS_LOG_FLUSH_S``
+    seconds by :func:`serve`, so the hot path pays no write system call per request.
+    Returns the access log's buffer.
+
+    Raises:
+        ValueError: an unknown ``log_format``.
+        OSError: the access log file cannot be opened.
+    """
     import logging.handlers
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    # the record fields we never print cost a lookup each per log line (the logging
-    # HOWTO's "Optimization" switches); the access line also skips the caller lookup
-    # (see proxy.handlers._log_access)
+    diagnostic = logging.StreamHandler(sys.stderr)
+    diagnostic.setFormatter(log_format_module.diagnostic_formatter(log_format))
+    logging.basicConfig(level=logging.INFO, handlers=[diagnostic], force=True)
+    # the record fields we never print cost a lookup each per log line
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     log_filters.install()
+    if access_log in (None, "", "-"):
+        target: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        target = logging.handlers.WatchedFileHandler(access_log, encoding="utf-8")
+    target.setFormatter(log_format_module.ACCESS_FORMATTER)
     access = logging.getLogger("llm_qos.access")
-    buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=logging.getLogger().handlers[0], flushOnClose=True)
+    for h in list(access.handlers):
+        access.removeHandler(h)
+    buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=target, flushOnClose=True)
     access.addHandler(buffer)
     access.propagate = False
     return buffer
@@ -106,11 +124,25 @@ def _flush_access_log(loop: asyncio.AbstractEventLoop) -> None:
     loop.call_later(ACCESS_LOG_FLUSH_S, _flush_access_log, loop)
 
 
-def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True) -> int:
-    """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
+def run(
+    config_path: str,
+    host: str,
+    port: int,
+    upstream_url: str | None = None,
+    watch: bool = True,
+    log_format: str = "text",
+    access_log: str | None = None,
+) -> int:
+    """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code.
+
+    ``log_format`` and ``access_log``: see :func:`configure_logging`."""
     from .config import ConfigError
 
-    configure_logging()
+    try:
+        configure_logging(log_format, access_log)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 

@@ -1,39 +1,57 @@
 """The upstream connection pool and how one request is opened on it.
 
-One pooled ``aiohttp.ClientSession`` per proxy process, keep-alive shorter than the
-engine's (LightLLM closes idle connections after 5 s, ``shared/interop/lightllm.md``).
-It keeps no cookies (an upstream's ``Set-Cookie`` must never be replayed on another
-user's request) and asks for no compression (bodies are relayed as bytes, unparsed).
+One pooled ``aiohttp.ClientSession`` per proxy process. It keeps no cookies (an
+upstream's ``Set-Cookie`` must never be replayed on another user's request). It asks
+for ``Accept-Encoding: identity`` (the relay reads every stream to count tokens and see
+how it ends); an upstream that compresses anyway is decoded (gzip, deflate; br and zstd
+when their decoder libraries are installed), and one it cannot decode fails with 502.
 Aborting an upstream generation = closing its connection (``ClientResponse.close()``),
 never returning it to the pool: engines abort a request when its connection drops.
+
+A request is sent at most once. Once a request has been handed to a connection, the
+proxy cannot know whether the engine read it and started generating (aiohttp, like any
+HTTP/1.1 client, cannot tell whether the bytes were read before a reset), so a
+connection that fails after that is answered 502 and never retried: a retry could start
+a second generation. What keeps a pooled connection from going stale under a request:
+aiohttp reuses only connections whose close it has not seen, and never one idle longer
+than ``upstream.keepalive_timeout_s``, which is kept below the engines' own idle timeout
+(uvicorn's 5 s: vLLM, SGLang, transformers serve; LightLLM's 5 s). A connect failure
+(nothing sent) is answered 502 at once: the engine is down, and retrying it at once
+rarely helps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
 from .config import UpstreamConfig
+from .relay_headers import REQUEST_ID
 
-_RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+log = logging.getLogger("llm_qos.proxy")
 
 
 class UpstreamError(Exception):
-    """The upstream could not be reached or did not answer in time.
+    """The upstream could not be reached, did not answer in time, or answered in a form
+    the proxy cannot read.
 
     Attributes:
         status: the HTTP status to answer the client (502 or 504).
         code: a stable error code (``upstream_unreachable``, ``upstream_timeout``, ...).
+        aborted: the request had been sent and its connection was closed under it (the
+            engine may have started, and now aborts, a generation).
     """
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, aborted: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.aborted = aborted
 
 
 class Upstream:
@@ -42,10 +60,17 @@ class Upstream:
     Args:
         config: the ``upstream`` section (URL, credential, timeouts, pool size).
 
+    Attributes:
+        accepts_stream_options: False once this upstream has rejected a request for its
+            ``stream_options`` and accepted it without (:mod:`proxy.upstream_body`);
+            back to True when the URL changes.
+
     Create it inside a running event loop; :meth:`close` it on shutdown.
     """
 
     def __init__(self, config: UpstreamConfig) -> None:
+        self.accepts_stream_options = True
+        self.config = config
         self.reconfigure(config)
         connector = aiohttp.TCPConnector(
             limit=config.max_connections,
@@ -55,8 +80,8 @@ class Upstream:
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=self._timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            auto_decompress=True,  # only answers that carry a Content-Encoding are touched
+            skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
 
@@ -64,60 +89,89 @@ class Upstream:
         """Use a new ``upstream`` section for requests opened from now on (URL,
         credential, timeouts); pool sizing changes need a restart. The credential is
         read (from the environment, if so configured) here, once per config."""
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "Accept-Encoding": "identity",
+        }
         key = config.credential()
         if key:
             headers["Authorization"] = f"Bearer {key}"
         self._headers = CIMultiDict(headers)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=config.idle_timeout_s)
         self._urls: dict[str, URL] = {}
+        if config.url != self.config.url:
+            self.accepts_stream_options = True
         self.config = config
 
-    def _url(self, path: str) -> URL:
+    def _url(self, path: str, query: str) -> URL:
+        if query:
+            return URL(f"{self.config.url}{path}?{query}", encoded=True)
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = URL(self.config.url + path)
         return url
 
-    async def open(self, method: str, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
-        """Send one request and wait for the upstream's status line and headers.
+    def reject_stream_options(self, status: int) -> None:
+        """Remember that this upstream rejects ``stream_options`` (it answered ``status``
+        with it and accepted the request without it)."""
+        if self.accepts_stream_options:
+            self.accepts_stream_options = False
+            log.warning(
+                "the upstream %s rejected stream_options (HTTP %d) and accepted the request without it: "
+                "not adding it any more (usage on streams is estimated; assembled answers carry the engine's usage only if it sends it)",
+                self.config.url,
+                status,
+            )
 
-        A connection reset before any response (a stale pooled connection) is retried
-        once on a fresh connection.
+    async def open(
+        self, method: str, path: str, body: bytes | None = None, *, query: str = "", request_id: str | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send one request, once, and wait for the upstream's status line and headers.
 
         Args:
             method: ``GET`` or ``POST``.
             path: path with leading slash, appended to the upstream URL.
-            body: bytes to send (the client's body, unchanged).
+            body: bytes to send.
+            query: the client's raw (still percent-encoded) query string, passed on.
+            request_id: sent as ``X-Request-Id``.
 
         Returns:
             The response with its body unread; the caller must ``close()`` (abort) or
             ``release()`` (done) it.
 
         Raises:
-            UpstreamError: 502 refused / reset / DNS, 504 no headers within
-                ``first_byte_timeout_s``.
+            UpstreamError: 502 refused / DNS (``upstream_unreachable``), closed or reset
+                without an answer (``upstream_disconnected``), an answer that cannot be
+                read (``upstream_bad_response``: e.g. a Content-Encoding the proxy cannot
+                decode); 504 no connection within ``connect_timeout_s`` or no headers
+                within ``first_byte_timeout_s`` (``upstream_timeout``).
         """
-        config, url, headers = self.config, self._url(path), self._headers
-        for attempt in (0, 1):
-            try:
-                if config.first_byte_timeout_s >= config.idle_timeout_s:
-                    # aiohttp's sock_read (idle_timeout_s) also bounds the wait for headers
-                    return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
-                async with asyncio.timeout(config.first_byte_timeout_s):
-                    return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
-            except TimeoutError:
-                waited = min(config.first_byte_timeout_s, config.idle_timeout_s)
-                raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {waited:g} s") from None
-            except aiohttp.ClientConnectorError as e:
-                raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
-            except _RETRYABLE as e:
-                if attempt == 0:
-                    continue
-                raise UpstreamError(502, "upstream_disconnected", f"the upstream closed the connection: {e}") from None
-            except aiohttp.ClientError as e:
-                raise UpstreamError(502, "upstream_error", f"upstream request failed: {e}") from None
-        raise AssertionError("unreachable")
+        config, url, headers = self.config, self._url(path, query), self._headers
+        if request_id is not None:
+            headers = headers.copy()
+            headers[REQUEST_ID] = request_id
+        try:
+            if config.first_byte_timeout_s >= config.idle_timeout_s:
+                # aiohttp's sock_read (idle_timeout_s) also bounds the wait for headers
+                return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
+            async with asyncio.timeout(config.first_byte_timeout_s):
+                return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
+        except aiohttp.ConnectionTimeoutError:
+            raise UpstreamError(504, "upstream_timeout", f"no connection to the upstream within {config.connect_timeout_s:g} s") from None
+        except TimeoutError:
+            waited = min(config.first_byte_timeout_s, config.idle_timeout_s)
+            raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {waited:g} s", aborted=True) from None
+        except aiohttp.ClientConnectorError as e:
+            raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
+        except aiohttp.ClientResponseError as e:
+            # the parser's first line only: the rest echoes the upstream's bytes
+            reason = str(e.message).splitlines()[0][:200] if e.message else type(e).__name__
+            raise UpstreamError(502, "upstream_bad_response", f"the upstream's answer could not be read: {reason}", aborted=True) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            raise UpstreamError(502, "upstream_disconnected", f"the upstream closed the connection without answering: {e}") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamError(502, "upstream_error", f"upstream request failed: {e}") from None
 
     async def close(self) -> None:
         """Close every pooled connection."""

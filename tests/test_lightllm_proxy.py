@@ -164,15 +164,26 @@ async def test_overlong_prompt_on_a_native_stream_is_an_upstream_failure(proxy, 
 # --------------------------------------------------------------- OpenAI routes
 
 
-async def test_openai_chat_stream_gets_done_appended(proxy, wire):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
-    async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200
-        raw = await r.read()
+@pytest.mark.parametrize("flavor", ["main", "0.0.1"])
+async def test_openai_chat_stream_gets_done_only_when_it_finished(proxy, wire, flavor):
+    """LightLLM's chat stream ends without [DONE]: main sets finish_reason on its last
+    chunk (a finished stream: [DONE] is appended); 0.0.1 leaves it null, so its end
+    cannot be told from a cut-off stream: it gets a terminal error event."""
+    wire.config.flavor = flavor
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+    finally:
+        wire.config.flavor = "0.0.1"
     events = raw.split(b"\n\n")
-    assert events[-2:] == [b"data: [DONE]", b""] and raw.count(b"[DONE]") == 1
-    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    chunks = [json.loads(e[6:]) for e in events[:4]]
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == [token_text(i) for i in range(4)]
+    if flavor == "main":
+        assert events[4:] == [b"data: [DONE]", b""] and raw.count(b"[DONE]") == 1
+    else:
+        assert b"[DONE]" not in raw and json.loads(events[4][6:])["error"]["code"] == "upstream_stream_incomplete" and events[5:] == [b""]
 
 
 async def test_openai_chat_usage_is_accounted(proxy, wire):

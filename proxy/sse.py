@@ -1,0 +1,323 @@
+"""Server-sent events as LLM engines send them: splitting a byte stream into events,
+reading an event's fields, and watching a stream for tokens, usage, its end and errors.
+
+The grammar is the WHATWG HTML standard's (§9.2.6 "Interpreting an event stream"): a line
+ends with CRLF, LF or a lone CR; an empty line ends an event; a line that starts with
+``:`` is a comment (keep-alive pings); ``field:value`` drops one space after the colon;
+several ``data`` lines of one event join with LF. Engines use all of these: LightLLM's
+native stream writes ``data:{...}`` with no space, some hosted APIs send ``: ping``
+comments and ``event:`` lines, Gemini-style servers end lines with CRLF.
+
+What an OpenAI-style stream means (the OpenAI API reference, "chat completion chunk"):
+every choice ends with a chunk whose ``finish_reason`` is set; ``data: [DONE]`` ends the
+stream; an in-band failure is an event whose JSON object carries ``error`` (OpenAI, SGLang,
+newer vLLM) or is vLLM's older ``{"object": "error", ...}``. With
+``stream_options.include_usage`` a last chunk with ``choices: []`` carries ``usage``, and
+every other chunk ``"usage": null``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+# an event ends at two line ends in a row; a lone CR is a line end too (a CR that is the
+# first half of a CRLF split across chunks then ends an empty event: harmless)
+EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+_LINE = re.compile(rb"\r\n|\r|\n")
+_EVENT_ENDINGS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+DONE = b"[DONE]"
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # one event may not grow past this (bounds memory)
+
+
+class EventTooLarge(Exception):
+    """An event grew past :data:`MAX_EVENT_BYTES` without ending."""
+
+
+def split_events(buf: bytearray) -> list[bytes]:
+    """Remove the complete events from the front of ``buf`` and return them, each with
+    its terminating blank line; an unterminated event stays in ``buf``."""
+    out = []
+    start = 0
+    for m in EVENT_END.finditer(buf):
+        out.append(bytes(buf[start : m.end()]))
+        start = m.end()
+    if start:
+        del buf[:start]
+    return out
+
+
+def parse_event(raw: bytes) -> tuple[bytes | None, bytes | None]:
+    """The ``(event, data)`` fields of one event (its terminator may be included).
+
+    ``data`` is ``None`` for an event with no ``data`` line (a comment, a keep-alive);
+    ``event`` is ``None`` when not named. Other fields (``id``, ``retry``) are ignored.
+    """
+    if raw.startswith(b"data:"):
+        body = raw.rstrip(b"\r\n")
+        if b"\n" not in body and b"\r" not in body:  # the common one-line event
+            value = body[5:]
+            return None, value[1:] if value.startswith(b" ") else value
+    name = data = None
+    for line in _LINE.split(raw):
+        if not line or line.startswith(b":"):
+            continue
+        field, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            data = value if data is None else data + b"\n" + value
+        elif field == b"event":
+            name = value
+    return name, data
+
+
+def event_payloads(buf: bytearray) -> list[bytes]:
+    """Remove the complete events from ``buf`` and return their ``data`` (stripped);
+    ``[DONE]`` and events without data are left out."""
+    out = []
+    for ev in split_events(buf):
+        _, data = parse_event(ev)
+        if data is not None:
+            data = data.strip()
+            if data and data != DONE:
+                out.append(data)
+    return out
+
+
+def _needs_parse(payload: bytes) -> bool:
+    """Whether an OpenAI-style ``data`` payload may carry usage, an error or a set
+    ``finish_reason``: only those are JSON-parsed."""
+    if b'"usage"' in payload or b'"error"' in payload:
+        return True
+    i = payload.find(b'"finish_reason"')
+    while i != -1:
+        if not payload.startswith(b'"finish_reason":null', i):
+            return True
+        i = payload.find(b'"finish_reason"', i + 15)
+    return False
+
+
+def error_of(obj: object) -> dict | None:
+    """The error an OpenAI-style event object reports, or ``None``: ``{"error": {...}}``
+    (a truthy ``error``, as the OpenAI SDK tests it) or vLLM's ``{"object": "error"}``."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if err:
+        return err if isinstance(err, dict) else {"message": str(err)}
+    if obj.get("object") == "error":
+        return obj
+    return None
+
+
+class SSEScanner:
+    """Follows a relayed stream's events across arbitrary chunk boundaries.
+
+    Args:
+        native: True for LightLLM's native ``/generate_stream`` events.
+
+    Attributes:
+        tokens: output tokens so far (one per data event, or the engine's own count:
+            ``usage.completion_tokens``, LightLLM's ``count_output_tokens``).
+        prompt_tokens: from a ``usage`` object (or LightLLM main's token), when seen.
+        done: ``data: [DONE]`` was seen.
+        finished: a LightLLM native event with ``finished: true`` was seen.
+        ended_choices: indexes of the choices whose ``finish_reason`` was set (a
+            non-empty string; Ollama sends ``""`` for "not yet").
+        error: the error object of an in-band error event, if one was seen.
+        events: data events seen (``[DONE]`` and error events excluded).
+
+    Raises (from :meth:`feed`):
+        EventTooLarge: an event grew past :data:`MAX_EVENT_BYTES`.
+    """
+
+    __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished", "ended_choices", "error", "events")
+
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
+        self._buf = bytearray()
+        self.tokens = 0
+        self.prompt_tokens: int | None = None
+        self.done = False
+        self.finished = False
+        self.ended_choices: set[int] = set()
+        self.error: dict | None = None
+        self.events = 0
+
+    @property
+    def partial(self) -> bool:
+        """Bytes of an unterminated event are pending."""
+        return bool(self._buf.strip())
+
+    def complete(self, choices: int = 1) -> bool:
+        """Whether the stream really finished: LightLLM native: ``finished: true``;
+        OpenAI-style: ``[DONE]``, or a ``finish_reason`` on each of ``choices`` choices
+        (engines that omit ``[DONE]``: transformers serve, LightLLM's chat route)."""
+        if self.native:
+            return self.finished
+        return self.done or len(self.ended_choices) >= max(1, choices)
+
+    def feed(self, chunk: bytes) -> None:
+        """Scan ``chunk``; complete events update the attributes."""
+        buf = self._buf
+        if not buf and not self.native and chunk.startswith(b"data:") and chunk.endswith(b"\n\n"):
+            # the common case, whole one-line data events with nothing to parse: count
+            # them without copying (same result as the general path, a third of its cost)
+            if chunk.find(b"\n") == len(chunk) - 2:
+                n = 1  # one event, one line
+            else:
+                n = chunk.count(b"\n\n")
+                if chunk.count(b"\n") != 2 * n or chunk.count(b"\n\ndata:") != n - 1:
+                    n = 0
+            if n and b"\r" not in chunk and b"[DONE]" not in chunk and not _needs_parse(chunk):
+                self.tokens += n
+                self.events += n
+                return
+        buf += chunk
+        for ev in split_events(buf):
+            self._event(ev)
+        if len(buf) > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+
+    def end(self) -> None:
+        """The stream ended: read an unterminated last event as if it were terminated
+        (the relay terminates it for the client too)."""
+        if self.partial:
+            self._event(bytes(self._buf))
+        self._buf.clear()
+
+    def _event(self, ev: bytes) -> None:
+        name, payload = parse_event(ev)
+        if payload is None:
+            return
+        payload = payload.strip()
+        if payload == DONE:
+            self.done = True
+            return
+        if self.native:
+            self.events += 1
+            self._native(payload)
+            return
+        if name == b"error" or _needs_parse(payload):
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                obj = None
+            err = error_of(obj)
+            if err is None and name == b"error":
+                err = {"message": payload[:500].decode("utf-8", "replace")}
+            if err is not None:
+                self.error = err
+                return
+            self.tokens += 1
+            self.events += 1
+            if isinstance(obj, dict):
+                self._object(obj)
+            return
+        self.tokens += 1
+        self.events += 1
+
+    def _object(self, obj: dict) -> None:
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+            if _is_count(out):
+                self.tokens = out
+            if _is_count(prompt):
+                self.prompt_tokens = prompt
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for ch in choices:
+                if isinstance(ch, dict):
+                    reason = ch.get("finish_reason")
+                    if isinstance(reason, str) and reason:
+                        idx = ch.get("index", 0)
+                        self.ended_choices.add(idx if isinstance(idx, int) else 0)
+
+    def _native(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        token = obj.get("token")
+        count = token.get("count_output_tokens") if isinstance(token, dict) else None
+        # one event per token; the engine's own running count wins when it is ahead
+        self.tokens = max(self.tokens + 1, count) if _is_count(count) else self.tokens + 1
+        prompt = token.get("prompt_tokens") if isinstance(token, dict) else None  # LightLLM main only
+        if _is_count(prompt) and prompt > 0:
+            self.prompt_tokens = prompt
+        if obj.get("finished") is True:
+            self.finished = True
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# ``"usage": null`` as a member of the event's JSON object, with the comma that joins it
+_USAGE_NULL = re.compile(rb'\s*"usage"\s*:\s*null\s*,|,\s*"usage"\s*:\s*null(?=\s*\})|(?<=\{)\s*"usage"\s*:\s*null\s*(?=\})')
+
+
+class UsageStripper:
+    """Removes from a stream what the engine sent only because the proxy added
+    ``stream_options.include_usage`` (the client did not ask): the usage-only chunk
+    (``choices: []`` with a ``usage`` object) is dropped and ``"usage": null`` members
+    are cut out of the other chunks; every other byte passes unchanged. A ``usage``
+    object on a chunk that has choices is kept (transformers serve sends one unasked).
+
+    Events are passed on whole: an unterminated event is held until it ends (engines
+    send whole events, so this delays nothing in practice).
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of ``chunk`` to relay now (possibly empty)."""
+        buf = self._buf
+        if not buf and b'"usage"' not in chunk and chunk.endswith(_EVENT_ENDINGS):
+            return chunk
+        buf += chunk
+        events = split_events(buf)
+        if len(buf) > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+        return b"".join(strip_usage(ev) if b'"usage"' in ev else ev for ev in events)
+
+    def flush(self) -> bytes:
+        """What is still held at the end of the stream (an unterminated event)."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return strip_usage(rest) if b'"usage"' in rest else rest
+
+
+def strip_usage(ev: bytes) -> bytes:
+    """One event without what ``include_usage`` added (see :class:`UsageStripper`)."""
+    _, data = parse_event(ev)
+    if data is None:
+        return ev
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return ev
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return ev
+    usage = obj["usage"]
+    if isinstance(usage, dict) and obj.get("choices") in ([], None):
+        return b""  # the usage-only chunk
+    if usage is not None:
+        return ev
+    want = {k: v for k, v in obj.items() if k != "usage"}
+    cut = _USAGE_NULL.sub(b"", ev, count=1)
+    _, cut_data = parse_event(cut)
+    try:
+        if cut_data is not None and orjson.loads(cut_data) == want:
+            return cut  # every other byte as the engine sent it
+    except orjson.JSONDecodeError:
+        pass
+    return b"data: " + orjson.dumps(want) + b"\n\n"

@@ -1,0 +1,662 @@
+"""The relay tells the truth: what a client receives through the real proxy process, byte
+for byte and header by header, for the wire shapes engines really send (issue 11).
+
+The upstream is :mod:`tests.scripted_upstream`, a real socket answering each request
+with bytes the test wrote; each test routes its requests by a ``model`` name of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import yaml
+from yarl import URL
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.config import ConfigError, parse_config
+from tests.proxy_process import REPO_ROOT, start_proxy, stop_proxy
+from tests.proc_util import free_port
+from tests.scripted_upstream import (
+    LAST_CHUNK,
+    SSE,
+    ScriptedUpstream,
+    Seen,
+    chat_chunk,
+    chunk,
+    drop_after_read,
+    gzipped,
+    hang,
+    head,
+    reply,
+    response,
+    stream,
+)
+
+CHAT = "/v1/chat/completions"
+DONE = b"data: [DONE]\n\n"
+JSON = [("Content-Type", "application/json")]
+
+
+@dataclass
+class Proxy:
+    url: str
+    proc: subprocess.Popen
+    access_log: Path
+
+
+def _start(up: ScriptedUpstream, folder: Path, upstream: dict | None = None, extra_args: list[str] | None = None) -> Proxy:
+    cfg = {
+        "upstream": {"url": up.url, "kind": "openai", "load_signal": {"enabled": False}, **(upstream or {})},
+        "admission": {"max_inflight": 16, "max_queue": 50, "queue_timeout_s": 20},
+        "default_group": "bronze",
+        "groups": [{"name": "bronze", "users": [{"id": "carl", "api_key": "sk-carl-secret"}]}],
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    access = folder / "access.log"
+    port = free_port()
+    proc = start_proxy(path, port, extra_args=["--access-log", str(access), *(extra_args or [])])
+    return Proxy(f"http://127.0.0.1:{port}", proc, access)
+
+
+@pytest.fixture(scope="module")
+def up():
+    with ScriptedUpstream() as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def proxy(up, tmp_path_factory):
+    """Defaults: streams get usage asked for and stripped; non-streaming relayed as is."""
+    p = _start(up, tmp_path_factory.mktemp("px"))
+    yield p
+    assert stop_proxy(p.proc) == 0
+
+
+@pytest.fixture(scope="module")
+def assembling(up, tmp_path_factory):
+    """upstream.stream_non_streaming: true."""
+    p = _start(up, tmp_path_factory.mktemp("asm"), {"stream_non_streaming": True})
+    yield p
+    assert stop_proxy(p.proc) == 0
+
+
+@pytest.fixture
+def model(request) -> str:
+    """A model name of this test's own: the scripted upstream routes by it."""
+    return request.node.name
+
+
+def chat(model: str, stream: bool = False, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "the secret prompt"}], "stream": stream, **extra}
+
+
+async def call(url: str, body: dict | bytes | None = None, headers: dict | None = None, method: str = "POST", path: str = CHAT):
+    """(status, headers, raw body) as a client receives them (no decompression)."""
+    data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
+    hdrs = {"Authorization": "Bearer sk-carl-secret", **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
+    async with aiohttp.ClientSession(auto_decompress=False) as s:
+        async with s.request(method, URL(url + path, encoded=True), data=data, headers=hdrs, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, r.headers, await r.read()
+
+
+async def scrape(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return {(smp.name, frozenset(smp.labels.items())): smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def access_line(p: Proxy, request_id: str, timeout: float = 10.0) -> dict:
+    """The access-log line of ``request_id`` (the log is flushed every second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.access_log.exists():
+            for line in p.access_log.read_text().splitlines():
+                obj = json.loads(line)
+                if obj["request_id"] == request_id:
+                    return obj
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no access-log line for {request_id}")
+
+
+def events(*evs: bytes) -> bytes:
+    return b"".join(evs)
+
+
+# ------------------------------------------------------------------- compression
+
+
+async def test_gzip_stream_is_decoded_and_identity_was_asked(proxy, up, model):
+    plain = events(chat_chunk("Hel"), chat_chunk("lo"), chat_chunk(None, "stop"), DONE)
+    gz = gzipped(plain)
+    up.on(model, stream([gz[:9], 0.02, gz[9:]], headers=[*SSE, ("Content-Encoding", "gzip")]))
+    status, headers, raw = await call(proxy.url, chat(model, stream=True), headers={"Accept-Encoding": "gzip, br"})
+    assert status == 200 and raw == plain  # decoded, byte for byte, nothing added
+    assert "Content-Encoding" not in headers
+    assert up.seen_for(model)[0].headers["accept-encoding"] == "identity"
+
+
+async def test_gzip_stream_without_done_gets_done_after_the_decoded_bytes(proxy, up, model):
+    plain = events(chat_chunk("a"), chat_chunk(None, "length"))
+    up.on(model, stream([gzipped(plain)], headers=[*SSE, ("Content-Encoding", "gzip")]))
+    status, headers, raw = await call(proxy.url, chat(model, stream=True))
+    assert status == 200 and raw == plain + DONE and "Content-Encoding" not in headers
+
+
+async def test_gzip_json_answer_is_decoded_with_matching_length(proxy, up, model):
+    body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}'
+    up.on(model, reply(response(200, [*JSON, ("Content-Encoding", "gzip")], gzipped(body))))
+    status, headers, raw = await call(proxy.url, chat(model))
+    assert status == 200 and raw == body
+    assert "Content-Encoding" not in headers and headers["Content-Length"] == str(len(body))
+
+
+@pytest.mark.parametrize("coding, stream_it", [("br", True), ("compress", False), ("gzip, br", False)])
+async def test_a_coding_the_proxy_cannot_read_is_a_502_not_garbage(proxy, up, model, coding, stream_it):
+    up.on(model, reply(response(200, [*SSE, ("Content-Encoding", coding)], b"\x8b\x00garbage")))
+    status, headers, raw = await call(proxy.url, chat(model, stream=stream_it))
+    assert status == 502 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(raw)["error"]["code"] == "upstream_bad_response" and b"[DONE]" not in raw
+
+
+# ----------------------------------------------------------------------- headers
+
+PASSED = [
+    ("Retry-After", "7"),
+    ("retry-after-ms", "6500"),
+    ("x-should-retry", "true"),
+    ("x-ratelimit-limit-requests", "60"),
+    ("x-ratelimit-remaining-tokens", "0"),
+    ("x-ratelimit-reset-requests", "1s"),
+    ("anthropic-ratelimit-requests-remaining", "0"),
+    ("openai-processing-ms", "12"),
+    ("openai-version", "2020-10-01"),
+    ("x-request-id", "req_engine_429"),
+    ("Cache-Control", "no-store"),
+    ("X-Vendor-Thing", "kept"),
+]
+DROPPED = [
+    ("Set-Cookie", "__cf_bm=secret-session; path=/"),
+    ("Connection", "close, X-Hop"),
+    ("X-Hop", "named-by-connection"),
+    ("Keep-Alive", "timeout=5"),
+    ("Proxy-Authenticate", "Basic"),
+    ("Trailer", "X-Checksum"),
+    ("Alt-Svc", 'h3=":443"'),
+    ("Strict-Transport-Security", "max-age=63072000"),
+    ("Access-Control-Allow-Origin", "*"),
+    ("WWW-Authenticate", "Bearer realm=engine"),
+    ("Server", "engine/1.0"),
+]
+
+
+async def test_error_answer_headers_the_client_acts_on_pass_and_hop_by_hop_do_not(proxy, up, model):
+    body = b'{"error":{"message":"slow down","type":"rate_limit_error","code":"rate_limit_exceeded"}}'
+    up.on(model, reply(response(429, [*JSON, *PASSED, *DROPPED], body)))
+    status, headers, raw = await call(proxy.url, chat(model))
+    assert status == 429 and raw == body and headers["Content-Type"] == "application/json"
+    for k, v in PASSED:
+        assert headers.getall(k) == [v], k
+    for k, v in DROPPED:
+        assert v not in headers.getall(k, []), k
+    assert "Set-Cookie" not in headers and "X-Hop" not in headers and "Alt-Svc" not in headers
+
+
+async def test_stream_headers_pass_with_the_upstreams_content_type(proxy, up, model):
+    hdrs = [("Content-Type", "text/event-stream; charset=utf-8"), ("x-ratelimit-remaining-requests", "59"), ("openai-processing-ms", "3"), ("Set-Cookie", "a=b")]
+    up.on(model, stream([chat_chunk(None, "stop"), DONE], headers=hdrs))
+    status, headers, raw = await call(proxy.url, chat(model, stream=True))
+    assert status == 200 and raw == chat_chunk(None, "stop") + DONE
+    assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert headers["x-ratelimit-remaining-requests"] == "59" and headers["openai-processing-ms"] == "3"
+    assert headers["X-Accel-Buffering"] == "no" and "Set-Cookie" not in headers
+
+
+async def test_openai_sdk_obeys_x_should_retry_false_through_the_proxy(proxy, up, model):
+    """The engine says: do not retry. The SDK, behind the proxy, makes exactly one
+    attempt; without that header it makes three (so the count is the header's doing)."""
+    body = b'{"error":{"message":"overloaded","type":"server_error","code":null}}'
+    up.on(model, reply(response(503, [*JSON, ("x-should-retry", "false")], body)))
+    up.on(model + "-no-hint", reply(response(503, [*JSON, ("retry-after-ms", "1")], body)))
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-carl-secret", max_retries=2)
+    try:
+        for m in (model, model + "-no-hint"):
+            with pytest.raises(openai.InternalServerError):
+                await client.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        await client.close()
+    assert len(up.seen_for(model)) == 1
+    assert len(up.seen_for(model + "-no-hint")) == 3
+
+
+# ------------------------------------------------------------------ no second send
+
+
+async def test_an_upstream_that_reads_the_post_then_drops_it_gets_it_once(proxy, up, model):
+    up.on(model, drop_after_read())
+    before = await scrape(proxy.url)
+    status, headers, raw = await call(proxy.url, chat(model, max_tokens=5))
+    assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_disconnected"
+    assert len(up.seen_for(model)) == 1  # exactly one generation could have started
+    after = await scrape(proxy.url)
+    key = dict(group="bronze", outcome="upstream_error")
+    assert metric(after, "llm_qos_requests_total", **key) - metric(before, "llm_qos_requests_total", **key) == 1
+
+
+# ---------------------------------------------------------------------- request id
+
+
+async def test_client_request_id_is_forwarded_returned_and_logged(proxy, up, model):
+    up.on(model, reply(response(200, JSON, b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}')))
+    status, headers, _ = await call(proxy.url, chat(model), headers={"X-Request-Id": "trace-42:abc_DEF.9"})
+    assert status == 200 and headers["X-Request-Id"] == "trace-42:abc_DEF.9"
+    assert up.seen_for(model)[0].headers["x-request-id"] == "trace-42:abc_DEF.9"
+    line = await access_line(proxy, "trace-42:abc_DEF.9")
+    assert line["upstream_request_id"] is None and line["status"] == 200 and line["model"] == model
+
+
+@pytest.mark.parametrize("given", ["x" * 129, "has space", "semi;colon", "ünïcode", ""])
+async def test_unsafe_request_id_is_replaced_by_a_fresh_one(proxy, up, model, given):
+    up.on(model, reply(response(200, JSON, b"{}")))
+    _, headers, _ = await call(proxy.url, chat(model), headers={"X-Request-Id": given.encode("utf-8").decode("latin-1")})
+    rid = headers["X-Request-Id"]
+    assert rid != given and len(rid) == 32 and int(rid, 16) >= 0
+    assert up.seen_for(model)[-1].headers["x-request-id"] == rid
+
+
+async def test_engine_request_id_wins_on_the_answer_and_both_are_logged(proxy, up, model):
+    up.on(model, stream([chat_chunk(None, "stop"), DONE], headers=[*SSE, ("X-Request-Id", "req_engine_7")]))
+    _, headers, _ = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "mine-1"})
+    assert headers.getall("X-Request-Id") == ["req_engine_7"]
+    line = await access_line(proxy, "mine-1")
+    assert line["upstream_request_id"] == "req_engine_7"
+
+
+async def test_proxy_own_answers_carry_a_request_id(proxy):
+    status, headers, raw = await call(proxy.url, b"{not json", headers={"X-Request-Id": "bad-body-1"})
+    assert status == 400 and headers["X-Request-Id"] == "bad-body-1"
+    line = await access_line(proxy, "bad-body-1")
+    assert (line["status"], line["outcome"]) == (400, "bad_request")
+
+
+# ------------------------------------------------------------ errors as success
+
+
+VLLM_ERROR = b'data: {"error":{"object":"error","message":"CUDA out of memory","type":"InternalServerError","param":null,"code":500}}\n\n'
+
+
+async def test_in_band_error_is_relayed_as_sent_and_counted_as_an_upstream_error(proxy, up, model):
+    sent = events(chat_chunk("Hi"), VLLM_ERROR)
+    up.on(model, stream([chat_chunk("Hi"), 0.01, VLLM_ERROR]))
+    before = await scrape(proxy.url)
+    status, _, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "inband-1"})
+    assert status == 200 and raw == sent  # no [DONE], no made-up event
+    after = await scrape(proxy.url)
+    for outcome, delta in (("upstream_error", 1), ("ok", 0)):
+        key = dict(group="bronze", outcome=outcome)
+        assert metric(after, "llm_qos_requests_total", **key) - metric(before, "llm_qos_requests_total", **key) == delta
+    line = await access_line(proxy, "inband-1")
+    assert line["outcome"] == "upstream_error" and line["output_tokens"] == 1  # charged only what was produced
+
+
+@pytest.mark.parametrize(
+    "error_event, status",
+    [
+        (VLLM_ERROR, 500),
+        (b'data: {"object":"error","message":"bad grammar","type":"BadRequestError","param":null,"code":400}\n\n', 400),
+        (b'event: error\ndata: {"error":{"message":"quota exceeded"}}\n\n', 502),
+    ],
+)
+async def test_assembled_answer_with_an_in_band_error_is_an_error_not_a_200(assembling, up, model, error_event, status):
+    up.on(model, stream([chat_chunk("partial "), chat_chunk("text"), error_event]))
+    got, headers, raw = await call(assembling.url, chat(model))
+    assert got == status and headers["Content-Type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert err["message"] in ("CUDA out of memory", "bad grammar", "quota exceeded")
+    assert b"partial" not in raw
+
+
+async def test_a_stream_with_no_events_is_an_upstream_error(proxy, up, model):
+    up.on(model, stream([]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "empty-1"})
+    assert status == 200 and b"[DONE]" not in raw
+    assert json.loads(raw.removeprefix(b"data: "))["error"]["code"] == "upstream_stream_incomplete"
+    assert (await access_line(proxy, "empty-1"))["outcome"] == "upstream_error"
+
+
+async def test_a_finished_stream_without_done_gets_it_once(proxy, up, model):
+    sent = events(chat_chunk("a"), chat_chunk("b"), chat_chunk(None, "stop"))
+    up.on(model, stream([sent]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True))
+    assert status == 200 and raw == sent + DONE
+
+
+async def test_a_stream_with_its_own_done_is_passed_byte_for_byte(proxy, up, model):
+    sent = events(chat_chunk("a"), chat_chunk(None, "stop"), DONE)
+    up.on(model, stream([sent[:17], sent[17:]]))
+    assert (await call(proxy.url, chat(model, stream=True)))[2] == sent
+
+
+@pytest.mark.parametrize(
+    "sent, n",
+    [
+        (events(chat_chunk("a"), chat_chunk("b")), 1),  # cut before the finish
+        (events(chat_chunk("a", finish=""), chat_chunk("b", finish="")), 1),  # Ollama's "not yet"
+        (events(chat_chunk("a", index=0), chat_chunk("b", index=1), chat_chunk(None, "stop", index=0)), 2),  # choice 1 never ended
+    ],
+)
+async def test_a_stream_that_did_not_finish_ends_with_an_error_event(proxy, up, model, sent, n):
+    up.on(model, stream([sent]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True, n=n))
+    assert status == 200 and raw.startswith(sent) and b"[DONE]" not in raw
+    assert json.loads(raw[len(sent) :].removeprefix(b"data: "))["error"]["code"] == "upstream_stream_incomplete"
+
+
+async def test_assembled_answer_of_a_cut_stream_is_a_502(assembling, up, model):
+    up.on(model, stream([chat_chunk("half an ans"), chat_chunk("wer")]))
+    status, _, raw = await call(assembling.url, chat(model))
+    assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_stream_incomplete"
+
+
+# ------------------------------------------------------------------ stream_options
+
+
+@pytest.mark.parametrize("bad", ["yes", 5, [], True])
+async def test_non_object_stream_options_is_a_json_400(proxy, up, model, bad):
+    status, headers, raw = await call(proxy.url, chat(model, stream=True, stream_options=bad))
+    assert status == 400 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(raw)["error"]["param"] == "stream_options" and not up.seen_for(model)
+
+
+async def test_usage_is_asked_for_and_removed_before_the_client_sees_it(proxy, up, model):
+    """OpenAI's shape with include_usage: "usage":null on every chunk, then a usage-only
+    chunk. The client, which did not ask, gets the chunks without either, every other
+    byte unchanged; the scheduler and metrics get the engine's real count (42)."""
+    c1 = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":null}\n\n'
+    c2 = b'data: {"id":"c","object":"chat.completion.chunk","usage":null,"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    usage = b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":42,"total_tokens":47}}\n\n'
+    up.on(model, stream([c1, c2, usage, DONE]))
+    before = await scrape(proxy.url)
+    status, _, raw = await call(proxy.url, chat(model, stream=True, stream_options={"continuous_usage_stats": False}))
+    assert status == 200
+    assert raw == events(
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+        DONE,
+    )
+    assert up.seen_for(model)[0].json["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    after = await scrape(proxy.url)
+    key = dict(group="bronze", direction="completion")
+    assert metric(after, "llm_qos_tokens_total", **key) - metric(before, "llm_qos_tokens_total", **key) == 42
+
+
+async def test_usage_the_client_asked_for_is_left_alone(proxy, up, model):
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n'
+    sent = events(chat_chunk("x", usage=None), chat_chunk(None, "stop", usage=None), usage, DONE)
+    up.on(model, stream([sent]))
+    body = chat(model, stream=True, stream_options={"include_usage": True})
+    assert (await call(proxy.url, body))[2] == sent
+    assert up.seen_for(model)[0].json["stream_options"] == {"include_usage": True}
+
+
+async def test_an_engine_that_rejects_stream_options_still_serves_valid_requests(up, model, tmp_path):
+    """First request: 400 naming stream_options, sent again without, served; remembered:
+    later requests go without it at once. A client's own bad field is relayed at once."""
+
+    def engine(sock, seen: Seen) -> bool:
+        body = seen.json
+        if "stream_options" in body:
+            err = b'{"error":{"message":"Unrecognized request argument supplied: stream_options","type":"invalid_request_error","param":"stream_options","code":null}}'
+            sock.sendall(response(400, JSON, err))
+        elif body.get("temperature") == "hot":
+            sock.sendall(response(400, JSON, b'{"error":{"message":"temperature must be a number","param":"temperature"}}'))
+        else:
+            sock.sendall(head(200, SSE) + chunk(chat_chunk("ok", "stop")) + LAST_CHUNK)
+        return False
+
+    up.on(model, engine)
+    p = _start(up, tmp_path, {"stream_non_streaming": True})
+    try:
+        status, _, raw = await call(p.url, chat(model, stream=True))
+        assert status == 200 and raw == chat_chunk("ok", "stop") + DONE
+        assert ["stream_options" in s.json for s in up.seen_for(model)] == [True, False]
+        status, _, raw = await call(p.url, chat(model))  # assembled, without stream_options at once
+        assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == "ok"
+        status, _, raw = await call(p.url, chat(model, stream=True, temperature="hot"))
+        assert status == 400 and json.loads(raw)["error"]["param"] == "temperature"
+        assert ["stream_options" in s.json for s in up.seen_for(model)] == [True, False, False, False]
+    finally:
+        assert stop_proxy(p.proc) == 0
+    assert "rejected stream_options" in p.proc.log_path.read_text()
+
+
+# ------------------------------------------------------------------- query strings
+
+
+async def test_the_client_query_string_reaches_the_upstream_as_sent(proxy, up, model):
+    up.on(model, reply(response(200, JSON, b"{}")))
+    await call(proxy.url, chat(model), path=CHAT + "?api-version=2024-06-01&q=a%20b&x=%2F")
+    assert up.seen_for(model)[0].target == CHAT + "?api-version=2024-06-01&q=a%20b&x=%2F"
+    up.on("/v1/models", reply(response(200, JSON, b'{"object":"list","data":[]}')))
+    status, _, raw = await call(proxy.url, method="GET", path="/v1/models?api-version=1")
+    assert status == 200 and raw == b'{"object":"list","data":[]}'
+    assert up.seen_for("/v1/models")[-1].target == "/v1/models?api-version=1"
+
+
+@pytest.mark.parametrize("url", ["http://engine:8000/v1?api-version=1", "http://engine:8000#frag"])
+def test_an_upstream_url_with_a_query_or_fragment_is_refused(url, tmp_path):
+    text = yaml.safe_dump({"upstream": {"url": url}, "default_group": "g", "groups": [{"name": "g"}]})
+    with pytest.raises(ConfigError, match="must not have a query"):
+        parse_config(text, "c.yaml")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"default_group": "g", "groups": [{"name": "g"}]}))
+    run = subprocess.run(
+        [sys.executable, "-m", "proxy", "proxy", "--config", str(cfg), "--port", str(free_port()), "--upstream", url],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 2 and "must not have a query" in run.stderr
+
+
+# ------------------------------------------------------------------------- aborts
+
+
+async def test_a_client_that_leaves_before_the_first_byte_counts_as_an_abort(proxy, up, model):
+    up.on(model, hang(30))
+    before = await scrape(proxy.url)
+    with pytest.raises(asyncio.TimeoutError):
+        async with aiohttp.ClientSession() as s:
+            await s.post(proxy.url + CHAT, json=chat(model, stream=True), timeout=aiohttp.ClientTimeout(total=0.5))
+    deadline = time.monotonic() + 10
+    while model not in up.closed and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert model in up.closed  # the proxy closed the upstream connection: the engine aborts
+    after = await scrape(proxy.url)
+    key = dict(reason="client_disconnected")
+    assert metric(after, "llm_qos_upstream_aborts_total", **key) - metric(before, "llm_qos_upstream_aborts_total", **key) == 1
+
+
+# --------------------------------------------------------------------- access log
+
+ACCESS_KEYS = {
+    "ts", "request_id", "upstream_request_id", "user", "group", "model", "status", "outcome", "detail",
+    "queue_wait_s", "ttft_s", "duration_s", "prompt_tokens", "output_tokens",
+}  # fmt: skip
+
+
+async def test_access_log_is_pure_json_without_keys_or_prompts(proxy, up, model):
+    up.on(model, reply(response(200, JSON, b'{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3}}')))
+    await call(proxy.url, chat(model), headers={"X-Request-Id": "json-line-1"})
+    line = await access_line(proxy, "json-line-1")
+    assert set(line) == ACCESS_KEYS
+    assert (line["user"], line["group"], line["model"], line["status"], line["outcome"]) == ("carl", "bronze", model, 200, "ok")
+    assert (line["prompt_tokens"], line["output_tokens"]) == (4, 3)
+    assert line["queue_wait_s"] >= 0 and line["ttft_s"] >= line["queue_wait_s"] and line["duration_s"] >= line["ttft_s"]
+    text = proxy.access_log.read_text()
+    assert all(isinstance(json.loads(raw), dict) for raw in text.splitlines())  # nothing but JSON objects
+    assert "sk-carl-secret" not in text and "the secret prompt" not in text
+    diagnostic = proxy.proc.log_path.read_text().splitlines()
+    assert diagnostic and all(not d.startswith("{") for d in diagnostic)  # readable text
+
+
+async def test_json_diagnostic_log_with_the_flag(up, tmp_path):
+    p = _start(up, tmp_path, extra_args=["--log-format", "json"])
+    assert stop_proxy(p.proc) == 0
+    lines = [json.loads(line) for line in p.proc.log_path.read_text().splitlines()]
+    assert lines and all({"ts", "level", "logger", "message"} <= set(d) for d in lines)
+    assert any("proxy listening" in d["message"] for d in lines)
+
+
+# ----------------------------------------- what other gateways got wrong (beyond the issue)
+
+
+async def test_crlf_separated_events_are_counted_and_end_properly(proxy, up, model):
+    sent = chat_chunk("a").replace(b"\n\n", b"\r\n\r\n") + chat_chunk(None, "stop").replace(b"\n\n", b"\r\n\r\n")
+    up.on(model, stream([sent]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "crlf-1"})
+    assert raw == sent + DONE  # a finished stream, not "no events"
+    assert (await access_line(proxy, "crlf-1"))["outcome"] == "ok"
+
+
+async def test_comments_event_fields_and_multiline_data_pass_unchanged(proxy, up, model):
+    sent = events(
+        b": keep-alive\n\n",
+        b'event: message\nid: 1\ndata: {"choices":[{"index":0,\ndata: "delta":{"content":"x"},"finish_reason":null}]}\n\n',
+        b": PROCESSING\n",
+        b'\ndata:{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+    )
+    up.on(model, stream([sent[:30], sent[30:]]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "fields-1"})
+    assert raw == sent + DONE
+    line = await access_line(proxy, "fields-1")
+    assert (line["outcome"], line["output_tokens"]) == ("ok", 2)
+
+
+async def test_utf8_split_across_chunks_and_an_unterminated_last_event(proxy, up, model):
+    ev = chat_chunk("🦙 é").replace(b"\\ud83e\\udd99 \\u00e9", "🦙 é".encode())
+    cut = ev.index("🦙".encode()) + 2  # inside the 4-byte character
+    last = chat_chunk(None, "stop")[:-2]  # no blank line after the last event
+    up.on(model, stream([ev[:cut], 0.05, ev[cut:], last]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True))
+    assert raw == ev + last + b"\n\n" + DONE
+    assert "🦙 é" in json.loads(raw.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"]
+
+
+async def test_a_huge_single_event_is_relayed_whole(proxy, up, model):
+    big = chat_chunk("y" * 3_000_000)
+    up.on(model, stream([big[i : i + 65536] for i in range(0, len(big), 65536)] + [chat_chunk(None, "stop")]))
+    status, _, raw = await call(proxy.url, chat(model, stream=True))
+    assert raw == big + chat_chunk(None, "stop") + DONE
+
+
+async def test_a_json_error_with_status_200_to_a_stream_request_stays_json(proxy, up, model):
+    body = b'{"error":{"message":"model not loaded","type":"server_error"}}'
+    up.on(model, reply(response(200, JSON, body)))
+    status, headers, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": "json200-1"})
+    assert (status, raw) == (200, body) and headers["Content-Type"] == "application/json"  # no SSE, no [DONE]
+    assert (await access_line(proxy, "json200-1"))["outcome"] == "upstream_error"
+
+
+async def test_a_body_shorter_than_its_content_length_is_a_502(proxy, up, model):
+    up.on(model, reply(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"choices":'))
+    status, _, raw = await call(proxy.url, chat(model))
+    assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_error"
+
+
+async def test_bytes_after_the_content_length_never_reach_a_client(proxy, up, model):
+    """An upstream that sends more than its Content-Length: aiohttp's parser refuses the
+    answer, so the client gets a 502 saying the upstream's answer could not be read,
+    never the garbage; the connection is dropped and others are served as before."""
+    body = b'{"choices":[]}'
+    up.on(model, reply(response(200, JSON, body, close=False) + b"TRAILING GARBAGE", keep=True))
+    for _ in range(3):
+        status, _, raw = await call(proxy.url, chat(model))
+        assert b"TRAILING" not in raw
+        assert (status, raw) == (200, body) or (status == 502 and json.loads(raw)["error"]["code"] == "upstream_bad_response")
+    up.on(model + "-fine", reply(response(200, JSON, body)))
+    assert (await call(proxy.url, chat(model + "-fine")))[:3:2] == (200, body)
+
+
+async def test_a_close_delimited_stream_without_chunking_is_relayed(proxy, up, model):
+    sent = events(chat_chunk("a"), chat_chunk(None, "stop"))
+
+    def script(sock, seen) -> bool:
+        sock.sendall(head(200, SSE, chunked=False) + sent)
+        return False
+
+    up.on(model, script)
+    assert (await call(proxy.url, chat(model, stream=True)))[2] == sent + DONE
+
+
+async def test_head_and_options(proxy, up):
+    up.on("/v1/models", reply(response(200, JSON, b'{"object":"list","data":[]}')))
+    status, headers, raw = await call(proxy.url, method="HEAD", path="/v1/models", headers={"X-Request-Id": "head-1"})
+    assert status == 200 and raw == b"" and headers["Content-Type"] == "application/json"
+    assert headers["X-Request-Id"] == "head-1" and up.seen_for("/v1/models")[-1].method == "GET"
+    status, headers, raw = await call(proxy.url, method="OPTIONS", path=CHAT)
+    assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+    assert "POST" in headers["Allow"]
+
+
+async def test_a_slow_stream_reaches_the_client_event_by_event(proxy, up, model):
+    """With usage asked for and stripped, events still go out as they come."""
+    first_seen = threading.Event()
+
+    def script(sock, seen) -> bool:
+        sock.sendall(head(200, SSE) + chunk(chat_chunk("first")))
+        first_seen.wait(20)  # the rest only once the client has the first event
+        sock.sendall(chunk(chat_chunk(None, "stop")) + LAST_CHUNK)
+        return False
+
+    up.on(model, script)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + CHAT, json=chat(model, stream=True), headers={"Authorization": "Bearer sk-carl-secret"}) as r:
+            got = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            first_seen.set()
+            rest = await r.read()
+    assert got == chat_chunk("first") and rest == chat_chunk(None, "stop") + DONE
+
+
+async def test_done_without_a_space_is_the_engines_own_end(proxy, up, model):
+    sent = events(chat_chunk("a"), b"data:[DONE]\n\n")  # "data:" with no space is valid SSE
+    up.on(model, stream([sent]))
+    assert (await call(proxy.url, chat(model, stream=True)))[2] == sent  # no second [DONE]
+
+
+async def test_curl_expect_100_continue_with_a_large_prompt(proxy, up, model):
+    """curl sends ``Expect: 100-continue`` before a large body and waits for the go-ahead;
+    the proxy gives it at once, and the header goes no further than the proxy."""
+    answer = b'{"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":1}}'
+    up.on(model, reply(response(200, JSON, answer)))
+    body = json.dumps(chat(model, messages=[{"role": "user", "content": "z" * 5000}])).encode()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-carl-secret\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        head_ = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head_.startswith(b"HTTP/1.1 200 ")
+        length = int(next(h.split(b":")[1] for h in head_.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        assert await reader.readexactly(length) == answer
+    finally:
+        writer.close()
+    assert "expect" not in up.seen_for(model)[0].headers
