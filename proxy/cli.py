@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--config", required=True, help="YAML config file (watched and hot-reloaded)")
     px.add_argument("--host", default="127.0.0.1")
     px.add_argument("--port", type=int, default=8000)
-    px.add_argument("--upstream", default=None, help="upstream base URL; overrides upstream.url")
+    px.add_argument("--upstream", action="append", default=None, metavar="URL",
+                    help="upstream base URL; overrides upstream.url (repeated: one pool over these engines)")
     px.add_argument("--no-watch", action="store_true", help="do not watch the config file; reload only on SIGHUP or POST /admin/reload")
 
     en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, CPU engine otherwise)", add_help=False)
@@ -78,7 +79,14 @@ def check_config(path: str) -> int:
         print(f"invalid: {e}", file=sys.stderr)
         return 1
     users = sum(len(g.users) for g in cfg.groups)
-    print(f"ok: {path}: {len(cfg.groups)} groups ({', '.join(g.name for g in cfg.groups)}), {users} users, upstream {cfg.upstream.url} ({cfg.upstream.kind})")
+    if cfg.pools:
+        where = "pools " + "; ".join(
+            f"{p.name} (models {', '.join(m.name for m in p.models)}; engines {', '.join(f'{e.name} ({e.kind})' for e in p.engines)})"
+            for p in cfg.effective_pools()
+        )
+    else:
+        where = f"upstream {cfg.upstream.url} ({cfg.upstream.kind})"
+    print(f"ok: {path}: {len(cfg.groups)} groups ({', '.join(g.name for g in cfg.groups)}), {users} users, {where}")
     return 0
 
 

@@ -25,7 +25,7 @@ async def serve(
     config_path: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    upstream_url: str | None = None,
+    upstream_url: str | list[str] | None = None,
     drain_timeout_s: float = 30.0,
     watch: bool = True,
 ) -> None:
@@ -105,7 +105,7 @@ def _flush_access_log(loop: asyncio.AbstractEventLoop) -> None:
     loop.call_later(ACCESS_LOG_FLUSH_S, _flush_access_log, loop)
 
 
-def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True) -> int:
+def run(config_path: str, host: str, port: int, upstream_url: str | list[str] | None = None, watch: bool = True) -> int:
     """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
     from .config import ConfigError
 
