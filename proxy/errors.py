@@ -62,3 +62,12 @@ def error_response(
 def sse_error_event(message: str, code: str) -> bytes:
     """A terminal SSE event for a stream that fails after its headers were sent."""
     return b"data: " + error_body(502, message, code) + b"\n\n"
+
+
+def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """A terminal ``error`` event for a Responses API stream that fails after its headers
+    were sent (that stream has no ``[DONE]``; the OpenAI SDK hands this event to the caller
+    as a ``ResponseErrorEvent``): ``event: error`` with ``{"type": "error", "code", "message", "param": null,
+    "sequence_number"}`` (OpenAI's ``ResponseErrorEvent``)."""
+    payload = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": sequence_number}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
