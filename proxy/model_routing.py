@@ -4,7 +4,7 @@ Rules (``docs/routing.md``):
 
 * A request goes to the pool that lists its ``model`` (exact, case-sensitive, as OpenAI
   compares model ids). An alias (``{name, upstream_model}``) is rewritten to the engines'
-  name before the body goes upstream (:func:`rewrite_model`).
+  name before the body goes upstream (:func:`proxy.engine_body.body_for_engine`).
 * A model no pool lists goes to the catch-all pool (``"*"``), if there is one; otherwise
   the answer is 404 ``model_not_found``, shaped as OpenAI's. The single-``upstream`` form
   is a catch-all pool, so it routes every request as before.
@@ -138,8 +138,3 @@ def model_error(model: object) -> web.Response:
     shown = model if len(model) <= 200 else model[:197] + "..."
     return error_response(404, f"the model {shown!r} does not exist or is not served here", code="model_not_found", param="model")
 
-
-def rewrite_model(fields: dict, upstream_model: str) -> bytes:
-    """The body to send upstream for an alias: ``fields`` with ``model`` set to
-    ``upstream_model``, serialized (the other fields untouched)."""
-    return orjson.dumps({**fields, "model": upstream_model})

@@ -152,7 +152,7 @@ class EngineConfig(_Model):
     ``priority_field``: two-level scheduling: the body field in which this engine expects
     a request priority (vLLM ``--scheduling-policy priority``, SGLang
     ``--enable-priority-scheduling``: ``priority``); the proxy writes each request's
-    group rank there (:mod:`proxy.engine_priority`). Never sent when unset.
+    group rank there (:mod:`proxy.engine_body`). Never sent when unset.
     ``priority_order``: ``lower_first`` (vLLM) or ``higher_first`` (SGLang's default).
     """
 

@@ -10,7 +10,7 @@ import yaml
 from aiohttp import web
 
 from proxy.config import parse_config
-from proxy.model_routing import ModelTable, Route, model_error, parse_models_body, rewrite_model
+from proxy.model_routing import ModelTable, Route, model_error, parse_models_body
 from tests.conftest import base_config
 from tests.test_pool_config import pools_config
 
@@ -65,12 +65,6 @@ def test_the_models_list_is_openai_shaped_and_merges_the_catch_all_engines_list(
 @pytest.mark.parametrize("junk", [b"", b"not json", b"[]", b'{"data": {}}', b'{"data": [1, {"id": 2}, {"no": "id"}]}'])
 def test_a_junk_models_answer_lists_nothing(junk):
     assert parse_models_body(junk) == []
-
-
-def test_rewrite_model_changes_only_the_model():
-    fields = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    out = orjson.loads(rewrite_model(fields, "smol"))
-    assert out == {**fields, "model": "smol"} and fields["model"] == "tiny"
 
 
 async def test_the_openai_sdk_reads_our_404_as_model_not_found(aiohttp_server):
