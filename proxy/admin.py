@@ -18,7 +18,11 @@ from .handlers import STATE
 REDACTED = "***"
 
 
-def _authorized(request: web.Request) -> web.Response | None:
+def check_admin(request: web.Request) -> web.Response | None:
+    """``None`` when ``request`` carries the admin key (``Authorization: Bearer KEY``);
+    otherwise the error answer to send: 403 ``admin_disabled`` when no admin key is
+    configured, 401 ``invalid_admin_key`` when it is missing or wrong (compared by
+    SHA-256 digests in constant time)."""
     key = request.app[STATE].active.config.admin.credential()
     if not key:
         return error_response(403, "admin routes are disabled: set admin.api_key or LLM_QOS_ADMIN_KEY", code="admin_disabled")
@@ -50,7 +54,7 @@ def redacted_config(config) -> dict:
 
 async def status(request: web.Request) -> web.Response:
     """``GET /admin/status``: queues, in-flight requests and per-user counters."""
-    if (denied := _authorized(request)) is not None:
+    if (denied := check_admin(request)) is not None:
         return denied
     return web.json_response(request.app[STATE].admission.scheduler.snapshot())
 
@@ -58,7 +62,7 @@ async def status(request: web.Request) -> web.Response:
 async def config(request: web.Request) -> web.Response:
     """``GET /admin/config``: the active config (secrets redacted), its hash, load time,
     and the last reload error."""
-    if (denied := _authorized(request)) is not None:
+    if (denied := check_admin(request)) is not None:
         return denied
     state = request.app[STATE]
     active = state.active
@@ -77,7 +81,7 @@ async def config(request: web.Request) -> web.Response:
 async def reload(request: web.Request) -> web.Response:
     """``POST /admin/reload``: re-read the config file now. 200 with the new hash, or
     400 with the validation error (the old config stays active)."""
-    if (denied := _authorized(request)) is not None:
+    if (denied := check_admin(request)) is not None:
         return denied
     reloader = request.app.get(RELOADER)
     if reloader is None:

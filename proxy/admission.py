@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 
@@ -22,11 +23,18 @@ class Admission:
     Args:
         policy: the initial scheduler policy.
         clock: monotonic clock in seconds (the scheduler's).
+
+    Attributes:
+        clock: the scheduler's clock.
+        on_release: functions called with each ticket :meth:`release` frees (after the
+            scheduler has trued up its cost: ``ticket.charged`` is final); they must not
+            raise or block.
     """
 
     def __init__(self, policy: SchedulerPolicy, clock=time.monotonic) -> None:
         self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse)
-        self._clock = clock
+        self._clock = self.clock = clock
+        self.on_release: list[Callable[[Ticket], None]] = []
 
     @staticmethod
     def _wake(ticket: Ticket) -> None:
@@ -85,8 +93,13 @@ class Admission:
         return loop.time() + max(0.0, ticket.deadline - self._clock())
 
     def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
-        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`."""
-        return self.scheduler.release(ticket, prompt_tokens, output_tokens)
+        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`.
+        Then tells the :attr:`on_release` listeners."""
+        if not self.scheduler.release(ticket, prompt_tokens, output_tokens):
+            return False
+        for listener in self.on_release:
+            listener(ticket)
+        return True
 
     def update_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy (hot reload); see :meth:`qos.Scheduler.update_policy`."""
@@ -100,7 +113,7 @@ class Admission:
 def _fresh(refusal: Refused) -> Refused:
     """A new exception carrying ``refusal``'s reason: the ticket's own stays free of
     tracebacks (which would tie the ticket to the frames that raised it)."""
-    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail)
+    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail, refusal.scope, refusal.limit)
 
 
 __all__ = ["Admission", "Refused", "RefusalReason"]

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from . import admin, handlers, openapi
+from . import admin, dashboard, handlers, openapi
 from .config import Config
 from .errors import error_response
 from .handlers import STATE
@@ -45,7 +45,8 @@ def create_app(
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``,
     ``POST /generate_stream`` (LightLLM native), ``GET /v1/models``, ``GET /health``,
-    ``GET /ready``, ``GET /metrics``, and ``/admin/*`` (see :mod:`proxy.admin`).
+    ``GET /ready``, ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see
+    :mod:`proxy.admin`) and the live dashboard ``/admin/dashboard`` (see :mod:`proxy.dashboard`).
 
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
     that is how a client's disconnect reaches the handler and aborts the upstream.
@@ -64,6 +65,7 @@ def create_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/openapi.json", openapi.openapi)
     admin.add_routes(app)
+    dashboard.add_routes(app)
 
     async def start_upstream(app: web.Application) -> None:
         state.upstream = Upstream(state.active.config.upstream)

@@ -5,7 +5,8 @@ not the file's inode, so it sees an in-place write, an editor's write-to-temp-th
 and a Kubernetes ConfigMap update (where the file is a symlink through ``..data``, a
 symlink swapped atomically). Every event in the directory triggers a re-read; a file whose
 bytes did not change is ignored, a file that does not parse or validate changes nothing
-(the old config stays, the error is logged once and counted).
+(the old config stays, the error is logged once and counted); the first good read after
+an error logs one line saying the config is valid again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 from pathlib import Path
 
 from .config import ConfigError, config_digest, parse_config
+from .metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.config")
@@ -36,8 +38,11 @@ def reload_config(state: ProxyState) -> bool:
     except OSError as e:
         return _failed(state, f"{path}: cannot read: {e}")
     digest = config_digest(data)
+    was_broken = state.last_error is not None
     if digest == state.active.digest:
         state.last_error = None  # the file is the active config again (e.g. a bad edit undone)
+        if was_broken:
+            log.info("config %s is valid again: it is the active config (hash %s)", path, digest)
         return True
     try:
         config = parse_config(data.decode("utf-8"), path)
@@ -46,8 +51,11 @@ def reload_config(state: ProxyState) -> bool:
         return _failed(state, f"{path}: not UTF-8: {e}")
     except (ConfigError, ValueError) as e:
         return _failed(state, str(e))
-    state.metrics.config_reloads.labels("ok").inc()
-    log.info("config reloaded from %s (hash %s)", path, digest)
+    state.metrics.config_reloads.labels(RELOAD_OK).inc()
+    if was_broken:
+        log.info("config %s is valid again: reloaded (hash %s)", path, digest)
+    else:
+        log.info("config reloaded from %s (hash %s)", path, digest)
     return True
 
 
@@ -55,7 +63,7 @@ def _failed(state: ProxyState, message: str) -> bool:
     if message != state.last_error:
         log.error("config reload failed, keeping the active config (hash %s): %s", state.active.digest, message)
     state.last_error = message
-    state.metrics.config_reloads.labels("error").inc()
+    state.metrics.config_reloads.labels(RELOAD_ERROR).inc()
     return False
 
 

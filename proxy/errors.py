@@ -25,11 +25,13 @@ _TYPES = {
 }
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
-    """The JSON bytes of an OpenAI-style error."""
-    return orjson.dumps(
-        {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
-    )
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None, extra: dict | None = None) -> bytes:
+    """The JSON bytes of an OpenAI-style error; ``extra`` adds fields to the error object
+    (after the four standard ones, which it cannot replace)."""
+    error = {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}
+    if extra:
+        error = {**extra, **error}
+    return orjson.dumps({"error": error})
 
 
 def error_response(
@@ -38,6 +40,7 @@ def error_response(
     code: str | None = None,
     param: str | None = None,
     retry_after_s: float | None = None,
+    extra: dict | None = None,
 ) -> web.Response:
     """An aiohttp response carrying an OpenAI-style error.
 
@@ -47,13 +50,14 @@ def error_response(
         code: a stable machine-readable code (e.g. ``queue_full``).
         param: the offending request field, if any.
         retry_after_s: adds ``Retry-After`` (whole seconds, rounded up, at least 1).
+        extra: more fields of the error object (e.g. a 429's ``scope`` and ``limit``).
     """
     headers = {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return web.Response(
         status=status,
-        body=error_body(status, message, code, param),
+        body=error_body(status, message, code, param, extra),
         content_type="application/json",
         headers=headers,
     )

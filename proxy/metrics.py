@@ -1,20 +1,34 @@
 """Prometheus metrics: every name defined here, once.
 
-Labels are bounded: ``group`` takes the configured group names, ``outcome`` and ``reason``
-fixed vocabularies; user ids are never labels (their number is unbounded).
-Queue depths and in-flight counts are read from the scheduler at scrape time.
+Labels are bounded: ``group`` takes the configured group names, ``outcome``, ``reason``,
+``result`` and ``direction`` fixed vocabularies (the tuples below); user ids are never
+labels (their number is unbounded). Queue depths and in-flight counts are read from the
+scheduler at scrape time.
+
+Every labelled counter an operator alerts on exists at 0 from start-up (every group times
+every outcome, refusal reason and token direction; every reload result; every abort
+reason), so ``rate()``, ``increase()`` and alerts work before the first event. A reload
+that adds a group adds its zero series (:meth:`Metrics.add_groups`). Series of a group a
+reload removes are kept, frozen at their last value, until the process restarts: a
+counter must never go backwards, and requests admitted in that group before the reload
+are still counted under it when they finish.
+
+Only ``prometheus_client``'s public API is used. Its ``labels()`` validates and converts
+its arguments and takes a lock on every call (about 1 µs); :class:`LabelCache` keeps the
+child objects that public call returns, so the hot path pays one dict lookup
+(``bench/public_api.py`` measures both).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Callable, Generic, Iterable, TypeVar
 
-import prometheus_client
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from qos import Scheduler
+from qos import RefusalReason, Scheduler
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -24,32 +38,56 @@ OUTCOME_CLIENT_GONE = "client_disconnected"
 OUTCOME_REFUSED = "refused"
 OUTCOME_UPSTREAM_ERROR = "upstream_error"
 OUTCOME_BAD_REQUEST = "bad_request"
+OUTCOMES = (OUTCOME_OK, OUTCOME_CLIENT_GONE, OUTCOME_REFUSED, OUTCOME_UPSTREAM_ERROR, OUTCOME_BAD_REQUEST)
+
+# why an upstream request was aborted (label ``reason`` of llm_qos_upstream_aborts_total):
+# the request's outcome, or ABORT_UNKNOWN when the relay ended without one
+ABORT_UNKNOWN = "error"
+ABORT_REASONS = (OUTCOME_CLIENT_GONE, OUTCOME_UPSTREAM_ERROR, ABORT_UNKNOWN)
+
+# admission refusals (label ``reason``): every wire code but the client's own cancel,
+# which is counted as outcome client_disconnected, never as a refusal
+REFUSAL_REASONS = tuple(r.value for r in RefusalReason if r is not RefusalReason.CANCELLED)
+
+RELOAD_OK = "ok"
+RELOAD_ERROR = "error"
+RELOAD_RESULTS = (RELOAD_OK, RELOAD_ERROR)
+
+DIRECTIONS = ("prompt", "completion")
+
+M = TypeVar("M", Counter, Histogram)
 
 
-class _FastLabels:
-    """``labels(...)`` that finds an existing child with one dict lookup (the stock one
-    re-validates and str()-converts the values and takes a lock on every call: a few µs,
-    several times per request). New label values take the stock path."""
+class LabelCache(Generic[M]):
+    """The children of one labelled metric, by label values.
 
-    def labels(self, *labelvalues, **labelkwargs):
-        if not labelkwargs:
-            child = self._metrics.get(labelvalues)  # type: ignore[attr-defined]
-            if child is not None:
-                return child
-        return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+    ``labels(*values)`` calls the metric's public ``labels()`` once per distinct tuple of
+    values and returns the same child object afterwards from a dict. The child stays the
+    one exported as long as nobody calls ``remove()`` or ``clear()`` on the metric, which
+    nothing in the proxy does. Positional label values only, as ``str``.
 
+    Args:
+        metric: a labelled ``prometheus_client`` metric (``metric`` attribute).
+    """
 
-class Counter(_FastLabels, prometheus_client.Counter):
-    pass
+    __slots__ = ("metric", "_children")
 
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], object] = {}
 
-class Histogram(_FastLabels, prometheus_client.Histogram):
-    pass
+    def labels(self, *values: str):
+        """The child of ``values`` (created at 0 on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
+    def __init__(self, scheduler: Callable[[], Scheduler], clock: Callable[[], float]) -> None:
         self._scheduler = scheduler
+        self._clock = clock
 
     def collect(self):
         s = self._scheduler()
@@ -57,8 +95,35 @@ class _SchedulerCollector(Collector):
         for name, n in s.queue_depths().items():
             depth.add_metric([name], n)
         yield depth
+        oldest = GaugeMetricFamily(
+            "llm_qos_queue_oldest_wait_seconds", "How long the oldest request waiting in each group has waited (0 when none waits).", labels=["group"]
+        )
+        for name, age in oldest_waits(s, self._clock()).items():
+            oldest.add_metric([name], age)
+        yield oldest
+        floor = GaugeMetricFamily("llm_qos_group_min_share", "Each group's configured min_share (fraction of dispatched cost it is guaranteed while it waits).", labels=["group"])
+        for g in s.policy.groups:
+            floor.add_metric([g.name], g.min_share)
+        yield floor
+        weight = GaugeMetricFamily(
+            "llm_qos_cost_weight", "Cost of one token by direction (cost.input_weight, cost.output_weight): service = tokens weighted by this.", labels=["direction"]
+        )
+        weight.add_metric(["prompt"], s.policy.cost.input_weight)
+        weight.add_metric(["completion"], s.policy.cost.output_weight)
+        yield weight
         yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=len(s.inflight))
         yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + max output) of requests in flight.", value=s.inflight_tokens)
+
+
+def oldest_waits(scheduler: Scheduler, now: float) -> dict[str, float]:
+    """Seconds the oldest waiting request of each group has waited (0.0 when none waits),
+    by group in priority order. ``now`` is a reading of the scheduler's clock. O(queued)."""
+    out = {name: 0.0 for name in scheduler.queue_depths()}
+    for t in scheduler.tickets_waiting():
+        age = now - t.enqueued_at
+        if age > out.get(t.group, 0.0):
+            out[t.group] = age
+    return out
 
 
 class Metrics:
@@ -66,18 +131,42 @@ class Metrics:
 
     Args:
         scheduler: returns the live scheduler (read at scrape time).
+        groups: the configured group names; their zero series are created at once.
+        clock: the scheduler's clock (monotonic seconds), for queue ages.
+
+    Attributes: ``requests``, ``rejections``, ``queue_wait``, ``ttft``, ``tokens``,
+    ``upstream_aborts``, ``config_reloads``: :class:`LabelCache` of each metric (call
+    ``.labels(...)`` as on the metric; ``.metric`` is the metric itself).
     """
 
-    def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
+    def __init__(self, scheduler: Callable[[], Scheduler], groups: Iterable[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("llm_qos_requests", "Requests finished, by group and outcome.", ["group", "outcome"], registry=r)
-        self.rejections = Counter("llm_qos_rejections", "Requests refused admission, by group and reason.", ["group", "reason"], registry=r)
-        self.queue_wait = Histogram("llm_qos_queue_wait_seconds", "Time from arrival to dispatch upstream.", ["group"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("llm_qos_time_to_first_token_seconds", "Time from arrival to the first byte of the answer relayed to the client.", ["group"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("llm_qos_tokens", "Tokens served, by group and direction (prompt, completion).", ["group", "direction"], registry=r)
-        self.upstream_aborts = Counter("llm_qos_upstream_aborts", "Upstream requests aborted by closing their connection.", ["reason"], registry=r)
-        self.config_reloads = Counter("llm_qos_config_reloads", "Config reload attempts by result (ok, error).", ["result"], registry=r)
-        r.register(_SchedulerCollector(scheduler))
+        self.requests = LabelCache(Counter("llm_qos_requests", "Requests finished, by group and outcome.", ["group", "outcome"], registry=r))
+        self.rejections = LabelCache(Counter("llm_qos_rejections", "Requests refused admission, by group and reason.", ["group", "reason"], registry=r))
+        self.queue_wait = LabelCache(Histogram("llm_qos_queue_wait_seconds", "Time from arrival to dispatch upstream.", ["group"], buckets=LATENCY_BUCKETS, registry=r))
+        self.ttft = LabelCache(Histogram("llm_qos_time_to_first_token_seconds", "Time from arrival to the first byte of the answer relayed to the client.", ["group"], buckets=LATENCY_BUCKETS, registry=r))
+        self.tokens = LabelCache(Counter("llm_qos_tokens", "Tokens served, by group and direction (prompt, completion).", ["group", "direction"], registry=r))
+        self.upstream_aborts = LabelCache(Counter("llm_qos_upstream_aborts", "Upstream requests aborted by closing their connection.", ["reason"], registry=r))
+        self.config_reloads = LabelCache(Counter("llm_qos_config_reloads", "Config reload attempts by result (ok, error).", ["result"], registry=r))
+        for reason in ABORT_REASONS:
+            self.upstream_aborts.labels(reason)
+        for result in RELOAD_RESULTS:
+            self.config_reloads.labels(result)
+        self.add_groups(groups)
+        r.register(_SchedulerCollector(scheduler, clock))
+
+    def add_groups(self, groups: Iterable[str]) -> None:
+        """Create the zero series of ``groups`` (idempotent: existing series keep their
+        values). Called at start-up and after every reload."""
+        for g in groups:
+            for outcome in OUTCOMES:
+                self.requests.labels(g, outcome)
+            for reason in REFUSAL_REASONS:
+                self.rejections.labels(g, reason)
+            for direction in DIRECTIONS:
+                self.tokens.labels(g, direction)
+            self.queue_wait.labels(g)
+            self.ttft.labels(g)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

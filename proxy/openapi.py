@@ -18,6 +18,8 @@ _ERROR = {
                 "type": {"type": "string"},
                 "param": {"type": ["string", "null"]},
                 "code": {"type": ["string", "null"]},
+                "scope": {"enum": ["user", "group"], "description": "429 rate_limited only: whose limit tripped"},
+                "limit": {"enum": ["requests_per_minute", "tokens_per_minute"], "description": "429 rate_limited only: which limit tripped"},
             },
             "required": ["message", "type"],
         }

@@ -88,9 +88,10 @@ def configure_logging() -> logging.handlers.MemoryHandler:
     import logging.handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    # the record fields we never print cost a lookup each per log line
+    # the record fields we never print cost a lookup each per log line (the logging
+    # HOWTO's "Optimization" switches); the access line also skips the caller lookup
+    # (see proxy.handlers._log_access)
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging._srcfile = None
     log_filters.install()
     access = logging.getLogger("llm_qos.access")
     buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=logging.getLogger().handlers[0], flushOnClose=True)

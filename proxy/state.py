@@ -54,7 +54,7 @@ class ProxyState:
         self.active = ActiveConfig(config, IdentityResolver(config), digest)
         self.config_path = config_path
         self.admission = Admission(config.to_policy())
-        self.metrics = Metrics(lambda: self.admission.scheduler)
+        self.metrics = Metrics(lambda: self.admission.scheduler, (g.name for g in config.groups))
         self.upstream: Upstream | None = None  # created on startup, inside the loop
         self.last_error: str | None = None
         self.draining = False
@@ -75,6 +75,7 @@ class ProxyState:
         policy = config.to_policy()
         identity = IdentityResolver(config)
         self.admission.update_policy(policy)
+        self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
         if self.upstream is not None:
             self.upstream.reconfigure(config.upstream)
         self.active = ActiveConfig(config, identity, digest)

@@ -210,7 +210,8 @@ class Scheduler:
             The ticket, in state ADMITTED (``on_admit`` has been called) or QUEUED.
 
         Raises:
-            Refused: rate limited (RATE_LIMITED), queues full (QUEUE_FULL,
+            Refused: rate limited (RATE_LIMITED; ``scope`` and ``limit`` name the
+                bucket that needs the longest wait), queues full (QUEUE_FULL,
                 GROUP_QUEUE_FULL), or the scheduler is closed (SHUTDOWN).
         """
         policy = self.policy
@@ -272,15 +273,17 @@ class Scheduler:
         return cap is None or not self.inflight or self.inflight_tokens + tokens <= cap
 
     def _check_rate(self, user_id: str, limits: RateLimit, group: str, tokens: int, now: float) -> None:
-        buckets = self._limits_of(user_id, limits), self._group_limits[group]
-        wait = 0.0
-        for lim in buckets:
-            if lim.requests is not None:
-                wait = max(wait, lim.requests.wait_time(1, now))
-            if lim.tokens is not None:
-                wait = max(wait, lim.tokens.wait_time(tokens, now))
+        buckets = ("user", self._limits_of(user_id, limits)), ("group", self._group_limits[group])
+        wait, tripped = 0.0, ("", "")
+        for scope, lim in buckets:  # the bucket that needs the longest wait is named
+            if lim.requests is not None and (w := lim.requests.wait_time(1, now)) > wait:
+                wait, tripped = w, (scope, "requests_per_minute")
+            if lim.tokens is not None and (w := lim.tokens.wait_time(tokens, now)) > wait:
+                wait, tripped = w, (scope, "tokens_per_minute")
         if wait > 0:
-            raise Refused(RefusalReason.RATE_LIMITED, wait, f"rate limit exceeded for user {user_id!r} or group {group!r}")
+            scope, limit = tripped
+            whose = f"user {user_id!r}" if scope == "user" else f"group {group!r} (all its users together)"
+            raise Refused(RefusalReason.RATE_LIMITED, wait, f"rate limit exceeded: the {limit} of {whose}", scope=scope, limit=limit)
 
     def _take_rate(self, user_id: str, group: str, tokens: int, now: float) -> None:
         for lim in (self._user_limits[user_id], self._group_limits[group]):

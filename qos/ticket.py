@@ -35,13 +35,21 @@ class Refused(Exception):
         reason: the :class:`RefusalReason`.
         retry_after_s: seconds after which a retry may succeed (for ``Retry-After``).
         detail: a human-readable sentence for the error body.
+        scope: for RATE_LIMITED, whose bucket tripped: ``"user"`` or ``"group"``;
+            ``None`` otherwise.
+        limit: for RATE_LIMITED, which limit: ``"requests_per_minute"`` or
+            ``"tokens_per_minute"`` (the config key); ``None`` otherwise.
     """
 
-    def __init__(self, reason: RefusalReason, retry_after_s: float, detail: str) -> None:
+    def __init__(
+        self, reason: RefusalReason, retry_after_s: float, detail: str, scope: str | None = None, limit: str | None = None
+    ) -> None:
         super().__init__(detail)
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.detail = detail
+        self.scope = scope
+        self.limit = limit
 
 
 @dataclass(eq=False, slots=True)

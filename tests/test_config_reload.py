@@ -84,7 +84,7 @@ def _write(path: Path, cfg: dict) -> None:
 
 
 def _reloads(state, result: str) -> float:
-    return state.metrics.config_reloads.labels(result)._value.get()
+    return state.metrics.registry.get_sample_value("llm_qos_config_reloads_total", {"result": result})
 
 
 async def _watching(state):
@@ -336,3 +336,56 @@ def test_shipped_config_trusts_no_identity_header():
     """Clients could forge a user-id header: only an operator behind a trusted gateway
     should turn it on, so the config `llm-qos up` uses by default does not."""
     assert load_config(REPO / "proxy" / "default_config.yaml").identity.header is None
+
+
+def _wait_for_log(proc, needle: str, timeout_s: float = 15.0, retry=None) -> str:
+    """Wait (bounded) for ``needle`` in the proxy's log; call ``retry()`` every second
+    meanwhile, if given (a write the watcher may not have been watching for yet)."""
+    deadline = time.monotonic() + timeout_s
+    next_retry = time.monotonic() + 1.0
+    while needle not in (log := proc.log_path.read_text()):
+        assert time.monotonic() < deadline, f"no {needle!r} in the proxy's log:\n{log[-2000:]}"
+        if retry is not None and time.monotonic() > next_retry:
+            retry()
+            next_retry = time.monotonic() + 1.0
+        time.sleep(0.05)
+    return log
+
+
+def test_a_fixed_config_logs_one_line_saying_it_is_valid_again(tmp_path):
+    """The watcher in a real proxy process: a broken save logs the error, the next good
+    save logs once that the config is valid again; later saves log plain reloads."""
+    from tests.engine_fixture import free_port
+    from tests.proxy_process import start_proxy, stop_proxy
+
+    path = tmp_path / "config.yaml"
+    cfg = base_config("http://127.0.0.1:9")
+    _write(path, cfg)
+    proc = start_proxy(path, free_port())
+    try:
+        # the watcher registers its inotify watch just after the ready line: rewrite until seen
+        path.write_text("admission: {max_inflight: [")
+        _wait_for_log(proc, "config reload failed", retry=lambda: path.write_text("admission: {max_inflight: [ "))
+        cfg["admission"]["max_inflight"] = 3
+        _write(path, cfg)
+        log = _wait_for_log(proc, "is valid again")
+        assert log.count("is valid again") == 1 and "reloaded (hash" in log
+        cfg["admission"]["max_inflight"] = 4
+        _write(path, cfg)
+        log = _wait_for_log(proc, "config reloaded from")
+        assert log.count("is valid again") == 1
+    finally:
+        assert stop_proxy(proc) == 0
+
+
+async def test_undoing_a_bad_edit_logs_that_the_config_is_valid_again(make_stack, caplog):
+    st = await make_stack()
+    good = st.config_path.read_bytes()
+    st.config_path.write_text("groups: [")
+    with caplog.at_level("INFO", logger="llm_qos.config"):
+        assert reload_config(st.state) is False
+        st.config_path.write_bytes(good)
+        assert reload_config(st.state) is True
+        assert reload_config(st.state) is True  # unchanged and still valid: no second line
+    lines = [r.getMessage() for r in caplog.records if "valid again" in r.getMessage()]
+    assert len(lines) == 1 and "it is the active config" in lines[0]

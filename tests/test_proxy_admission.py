@@ -60,6 +60,7 @@ async def test_queue_full_is_429_with_retry_after(make_stack, http):
     assert status == 429
     assert int(headers["Retry-After"]) >= 1
     assert body["error"]["code"] == "queue_full"
+    assert "scope" not in body["error"]  # only a rate limit names a bucket
     assert [s for s, _, _ in await asyncio.gather(busy, *queued)] == [200, 200, 200]
 
 
@@ -99,3 +100,24 @@ async def test_require_api_key_answers_401(make_stack, http, aiohttp_server):
         assert r.status == 401
     async with http.get(st.proxy_url + "/v1/models", headers={"Authorization": "Bearer sk-carl"}) as r:
         assert r.status == 200
+
+
+async def test_rate_limit_429_says_whether_the_user_or_the_group_limit_tripped(make_stack, http):
+    cfg = base_config("http://127.0.0.1:1")
+    alice = cfg["groups"][0]["users"][0]
+    alice["rate_limit"] = {"requests_per_minute": 1}  # alice: one request a minute
+    cfg["groups"][1]["rate_limit"] = {"tokens_per_minute": 100}  # bronze: 100 tokens a minute, all users together
+    st = await make_stack(config=cfg)
+    assert (await _post(http, st.proxy_url, st.chat_body(4), Authorization="Bearer sk-alice"))[0] == 200
+    status, headers, body = await _post(http, st.proxy_url, st.chat_body(4), Authorization="Bearer sk-alice")
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    err = body["error"]
+    assert (err["code"], err["scope"], err["limit"]) == ("rate_limited", "user", "requests_per_minute")
+    assert "user 'alice'" in err["message"] and "requests_per_minute" in err["message"]
+    # two bronze users share the group's bucket: the second is refused by the group's limit
+    assert (await _post(http, st.proxy_url, st.chat_body(80), **{"X-User-Id": "u1"}))[0] == 200
+    status, _, body = await _post(http, st.proxy_url, st.chat_body(80), **{"X-User-Id": "u2"})
+    err = body["error"]
+    assert status == 429 and (err["code"], err["scope"], err["limit"]) == ("rate_limited", "group", "tokens_per_minute")
+    assert "group 'bronze'" in err["message"]
+    assert set(err) == {"message", "type", "param", "code", "scope", "limit"}

@@ -1,0 +1,167 @@
+"""What using prometheus_client and logging through their public API costs per request.
+
+Two hot-path operations had private shortcuts, replaced by public ways:
+
+* **metric children.** ``prometheus_client``'s public ``labels()`` validates and converts
+  its arguments and takes a lock on every call. The proxy now keeps the children that
+  ``labels()`` returns in its own dict (:class:`proxy.metrics.LabelCache`); it used to
+  read the library's private ``_metrics`` dict instead, which is the same one dict lookup.
+* **the access-log record.** ``Logger.info()`` walks the stack to find the caller's file
+  and line (``Logger.findCaller``) for every record, a field the proxy never prints; the
+  private ``logging._srcfile = None`` switched that walk off for the whole process. The
+  access line is now made with the public ``Logger.makeRecord()`` and passed to
+  ``Logger.handle()``, which skips the walk for that one logger.
+
+For each: the stock public call, the public way the proxy uses, and what it means for
+one finished request (5 labelled metric updates and 1 access-log line, as in
+``proxy.handlers._account`` and ``_log_access``). Also timed: the dashboard's per-user
+tally (``proxy.dashboard.UserUsage.record``), which every released request feeds. Timings are the median of
+``--repeats`` runs of ``--iters`` calls (the machine may be shared).
+
+    python -m bench.public_api
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import logging.handlers
+import statistics
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from proxy.metrics import LATENCY_BUCKETS, LabelCache
+
+LABEL_CALLS_PER_REQUEST = 5  # queue_wait, requests, ttft, tokens x2 (proxy.handlers._account)
+LOG_LINES_PER_REQUEST = 1
+LINE = '{"user":"alice","group":"platinum","outcome":"ok","detail":null,"queue_wait_s":0.0,"ttft_s":0.0012,"duration_s":0.0031,"prompt_tokens":10,"output_tokens":8}'
+
+
+def _time(fn, iters: int, repeats: int) -> float:
+    """Median microseconds per call of ``fn(n)`` running ``n`` iterations."""
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(iters)
+        runs.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(runs)
+
+
+def label_timings(iters: int, repeats: int) -> dict[str, float]:
+    """Microseconds per ``labels(...)`` call of an existing child, stock and cached."""
+    r = CollectorRegistry()
+    c = Counter("bench_requests", "", ["group", "outcome"], registry=r)
+    hist = Histogram("bench_wait_seconds", "", ["group"], buckets=LATENCY_BUCKETS, registry=r)
+    cc, ch = LabelCache(c), LabelCache(hist)
+    c.labels("platinum", "ok")
+    hist.labels("platinum")
+
+    def stock(n: int) -> None:
+        for _ in range(n):
+            c.labels("platinum", "ok")
+
+    def stock_hist(n: int) -> None:
+        for _ in range(n):
+            hist.labels("platinum")
+
+    def cached(n: int) -> None:
+        for _ in range(n):
+            cc.labels("platinum", "ok")
+
+    def cached_hist(n: int) -> None:
+        for _ in range(n):
+            ch.labels("platinum")
+
+    def cached_inc(n: int) -> None:
+        for _ in range(n):
+            cc.labels("platinum", "ok").inc()
+
+    return {
+        "stock labels() (counter, 2 labels)": _time(stock, iters, repeats),
+        "stock labels() (histogram, 1 label)": _time(stock_hist, iters, repeats),
+        "LabelCache.labels() (counter)": _time(cached, iters, repeats),
+        "LabelCache.labels() (histogram)": _time(cached_hist, iters, repeats),
+        "LabelCache.labels().inc()": _time(cached_inc, iters, repeats),
+    }
+
+
+def _logger() -> logging.Logger:
+    """A logger set up as the proxy's access log: a MemoryHandler buffering 256 lines,
+    flushing to a stream handler on /dev/null."""
+    log = logging.getLogger("bench.public_api.access")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    sink = logging.StreamHandler(open("/dev/null", "w"))  # noqa: SIM115 - lives as long as the run
+    sink.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    log.addHandler(logging.handlers.MemoryHandler(256, flushLevel=logging.ERROR, target=sink))
+    return log
+
+
+def log_timings(iters: int, repeats: int) -> dict[str, float]:
+    """Microseconds per access-log line: ``Logger.info`` (with the caller lookup) and
+    ``Logger.makeRecord`` + ``Logger.handle`` (without), formatting and writing included."""
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False  # as the proxy does (public switches)
+    log = _logger()
+
+    def info(n: int) -> None:
+        for _ in range(n):
+            log.info(LINE)
+
+    def record(n: int) -> None:
+        for _ in range(n):
+            log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, LINE, None, None))
+
+    def find_caller(n: int) -> None:
+        for _ in range(n):
+            log.findCaller()
+
+    out = {
+        "Logger.info() (finds the caller)": _time(info, iters, repeats),
+        "makeRecord() + handle() (the proxy's way)": _time(record, iters, repeats),
+        "Logger.findCaller() alone (what is skipped)": _time(find_caller, iters, repeats),
+    }
+    for h in log.handlers:
+        h.flush()
+    return out
+
+
+def usage_timing(iters: int, repeats: int) -> dict[str, float]:
+    """Microseconds per ``UserUsage.record`` (50 users taking turns)."""
+    from proxy.dashboard import UserUsage
+    from qos import Ticket
+
+    usage = UserUsage()
+    tickets = [Ticket(seq=i, user_id=f"u{i % 50}", group="g", prompt_tokens=10, max_output_tokens=10, enqueued_at=0.0, deadline=0.0) for i in range(1000)]
+    for t in tickets:
+        t.charged = 30.0
+
+    def record(n: int) -> None:
+        for i in range(n):
+            usage.record(tickets[i % 1000])
+
+    return {"UserUsage.record() (dashboard tally)": _time(record, iters, repeats)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    labels = label_timings(a.iters, a.repeats)
+    logs = log_timings(max(1, a.iters // 4), a.repeats)
+    usage = usage_timing(a.iters, a.repeats)
+    print(f"{'operation':48s} {'µs/call':>9s}")
+    for name, us in {**labels, **logs, **usage}.items():
+        print(f"{name:48s} {us:9.3f}")
+    stock = labels["stock labels() (counter, 2 labels)"] * 4 + labels["stock labels() (histogram, 1 label)"]
+    cached = labels["LabelCache.labels() (counter)"] * 4 + labels["LabelCache.labels() (histogram)"]
+    info, rec = logs["Logger.info() (finds the caller)"], logs["makeRecord() + handle() (the proxy's way)"]
+    print()
+    print(f"per request ({LABEL_CALLS_PER_REQUEST} labelled updates, {LOG_LINES_PER_REQUEST} access line):")
+    print(f"  labels(): stock {stock:.2f} µs, cached {cached:.2f} µs (saves {stock - cached:.2f} µs)")
+    print(f"  access line: Logger.info {info:.2f} µs, makeRecord+handle {rec:.2f} µs; the caller lookup skipped: {logs['Logger.findCaller() alone (what is skipped)']:.2f} µs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""The live dashboard: its data (``GET /admin/dashboard.json``) and its page.
+
+The page (``GET /admin/dashboard``, with ``dashboard.js`` and ``dashboard.css``; package
+data under ``proxy/static/``) is the same static text for everyone and holds no data: a
+browser cannot attach a bearer header to a page it navigates to, and gating the page
+would mean a cookie session (open to cross-site requests) or the key in the URL (kept in
+history, logs and ``Referer``). The page asks for the admin key, keeps it in the tab's
+``sessionStorage`` and sends it as ``Authorization: Bearer`` on every ``fetch`` of the
+data, which, like every ``/admin/*`` route, answers 401 without it (403 when no admin key
+is configured). A strict Content-Security-Policy lets the page run only its own script
+and talk only to its own origin; every figure is written with ``textContent``.
+
+The data is read, at request time, from the same places as ``/admin/status`` and
+``/metrics``: the scheduler's snapshot (queues, requests in flight: the same figures
+``/admin/status`` shows), the Prometheus counters (tokens, refusals, queue waits: rates
+over the last :data:`WINDOW_S` seconds, from samples this module keeps, at most one per
+:data:`SAMPLE_INTERVAL_S`, taken when the data is asked for; nothing runs while nobody
+looks), the load signal (engine load), and :class:`UserUsage` (each user's service).
+
+Shape (``version`` 1; times in seconds, shares as fractions 0..1, ``null`` when unknown)::
+
+    {"version", "generated_at" (Unix), "window_s", "covered_s" (history behind the rates),
+     "config_hash", "inflight", "capacity", "queued", "inflight_tokens",
+     "cost": {"input_weight", "output_weight"},
+     "groups": [{"name", "priority" (0 = highest), "min_share", "queued", "inflight",
+                 "oldest_wait_s", "queue_wait_s": {"mean", "p50", "p95", "count"},
+                 "tokens_per_s", "service_per_s", "service_share", "refusals"}],
+     "users": {"source", "total", "top": [{"id", "group", "weight", "weight_share",
+               "service_share", "service_per_s", "queued"}]},
+     "engines": [{"name", "url", "kind", "inflight", "capacity", "max_inflight",
+                  "inflight_tokens", "load", "waiting", "saturated", "load_signal"}],
+     "refusals": {"total", "per_s", "by_reason": {reason: n}, "by_group": {group: {reason: n}}}}
+
+"Service" is what the scheduler shares out: tokens weighted as it counts them
+(``prompt * cost.input_weight + completion * cost.output_weight``). A group's
+``service_share`` is its part of all service in the window, to compare with its
+``min_share`` (the floor it is guaranteed while it waits); a user's is its part of its
+group's service, to compare with its ``weight_share`` (its weight over the weights of its
+group's users active in the window), which is what weighted fair sharing promises users
+that stay backlogged.
+
+``engines`` is a list so that several engines fill it; today it holds the one upstream.
+``users`` comes from :class:`UserUsage`, fed by :class:`proxy.admission.Admission` as each
+request is released; when the scheduler reports its own top users by recent service,
+:meth:`Dashboard.users` reads those instead and :class:`UserUsage` goes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Callable
+
+from aiohttp import web
+
+from qos import Ticket
+
+from .admin import check_admin
+from .handlers import STATE
+from .load_signal import LOAD_SIGNAL, LoadSignal
+from .metrics import oldest_waits
+from .state import ProxyState
+
+WINDOW_S = 30.0  # the window of every rate and share
+SAMPLE_INTERVAL_S = 0.5  # at most one sample of the counters per this many seconds
+TOP_USERS = 10
+MAX_TRACKED_USERS = 10_000  # UserUsage forgets the least served users beyond this
+FORGET_BELOW = 1e-3  # UserUsage forgets a user whose decayed service falls below this (token units)
+
+# the page's security headers: its own script, style and origin only; never framed
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+_STATIC = {"dashboard": ("dashboard.html", "text/html"), "dashboard.js": ("dashboard.js", "text/javascript"), "dashboard.css": ("dashboard.css", "text/css")}
+
+
+class UserUsage:
+    """Each user's recent service (token units), decayed exponentially with time constant
+    ``window_s``, with the user's group. Bounded: at most ``max_users`` users (the least
+    served are forgotten first), and users whose service decayed below
+    :data:`FORGET_BELOW` are forgotten when read.
+
+    Args:
+        window_s: decay time constant (seconds).
+        clock: monotonic clock (seconds).
+        max_users: most users tracked.
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic, max_users: int = MAX_TRACKED_USERS) -> None:
+        self.window_s = window_s
+        self.max_users = max_users
+        self._clock = clock
+        self._users: dict[str, list] = {}  # user -> [decayed service, at (clock s), group]
+        self._since = clock()
+
+    def __len__(self) -> int:
+        """Users tracked now."""
+        return len(self._users)
+
+    def record(self, ticket: Ticket) -> None:
+        """Count a released ``ticket``'s final cost (``ticket.charged``, token units) for
+        its user. Called by :class:`proxy.admission.Admission` after each release."""
+        now = self._clock()
+        entry = self._users.get(ticket.user_id)
+        if entry is None:
+            if len(self._users) >= self.max_users:
+                self._forget(now)
+            self._users[ticket.user_id] = [max(0.0, ticket.charged), now, ticket.group]
+            return
+        entry[0] = entry[0] * math.exp(-(now - entry[1]) / self.window_s) + max(0.0, ticket.charged)
+        entry[1], entry[2] = now, ticket.group
+
+    def _forget(self, now: float) -> None:
+        live = self.service(now)
+        keep = sorted(live, key=lambda u: live[u][0], reverse=True)[: max(0, self.max_users * 3 // 4)]
+        self._users = {u: self._users[u] for u in keep}
+
+    def rate(self, service: float, now: float) -> float:
+        """A decayed service sum (token units) as a rate (token units per second): the
+        sum over the time constant, corrected while less than a few time constants of
+        history exist (a steady rate ``r`` has the sum ``r * window_s * (1 - exp(-age /
+        window_s))`` after ``age`` seconds)."""
+        age = max(1e-9, now - self._since)
+        return service / (self.window_s * -math.expm1(-age / self.window_s))
+
+    def service(self, now: float | None = None) -> dict[str, tuple[float, str]]:
+        """``{user: (decayed service in token units, group)}`` now; forgets the users
+        whose service decayed below :data:`FORGET_BELOW`."""
+        now = self._clock() if now is None else now
+        out: dict[str, tuple[float, str]] = {}
+        gone = []
+        for uid, (value, at, group) in self._users.items():
+            v = value * math.exp(-(now - at) / self.window_s)
+            if v < FORGET_BELOW:
+                gone.append(uid)
+            else:
+                out[uid] = (v, group)
+        for uid in gone:
+            del self._users[uid]
+        return out
+
+
+@dataclass(slots=True)
+class _Hist:
+    """A cumulative histogram: (upper bound, cumulative count) pairs, count and sum."""
+
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    count: float = 0.0
+    total: float = 0.0
+
+
+@dataclass(slots=True)
+class _Sample:
+    t: float  # the scheduler's clock
+    tokens: dict[tuple[str, str], float]  # (group, direction) -> cumulative tokens
+    refusals: dict[tuple[str, str], float]  # (group, reason) -> cumulative refusals
+    waits: dict[str, _Hist]  # group -> cumulative queue-wait histogram
+
+
+def _counter(metric, *labels: str) -> dict[tuple[str, ...], float]:
+    """``{label values: value}`` of a labelled counter, through the public ``collect()``."""
+    out = {}
+    for fam in metric.collect():
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                out[tuple(s.labels[k] for k in labels)] = s.value
+    return out
+
+
+def _histograms(metric) -> dict[str, _Hist]:
+    """``{group: _Hist}`` of a histogram labelled by ``group``."""
+    out: dict[str, _Hist] = {}
+    for fam in metric.collect():
+        for s in fam.samples:
+            h = out.setdefault(s.labels["group"], _Hist())
+            if s.name.endswith("_bucket"):
+                h.buckets.append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                h.count = s.value
+            elif s.name.endswith("_sum"):
+                h.total = s.value
+    return out
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q``-quantile (0..1) of a cumulative histogram, interpolated linearly inside
+    the bucket it falls in, as Prometheus's ``histogram_quantile`` does (the lowest
+    bucket starts at 0; a quantile in the ``+Inf`` bucket is the highest finite bound).
+    ``None`` when the histogram is empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _minus(now: dict, base: dict | None) -> dict:
+    """``now - base`` key by key (a key missing from ``base`` counts from 0); all zeros
+    when there is no ``base`` yet."""
+    if base is None:
+        return dict.fromkeys(now, 0.0)
+    return {k: v - base.get(k, 0.0) for k, v in now.items()}
+
+
+def _minus_hist(now: _Hist, base: _Hist | None) -> _Hist:
+    """``now - base`` of two cumulative histograms; empty when there is no ``base``."""
+    if base is None:
+        return _Hist([(le, 0.0) for le, _ in now.buckets])
+    before = dict(base.buckets)
+    return _Hist([(le, c - before.get(le, 0.0)) for le, c in now.buckets], now.count - base.count, now.total - base.total)
+
+
+def _share(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+class Dashboard:
+    """Builds the dashboard's data for one proxy process.
+
+    Args:
+        state: the proxy state.
+        load_signal: the engine load poller (for the engine's load and saturation).
+        clock: the scheduler's clock (monotonic seconds).
+        window_s: the window of rates and shares (seconds).
+    """
+
+    def __init__(self, state: ProxyState, load_signal: LoadSignal, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S) -> None:
+        self._state = state
+        self._signal = load_signal
+        self._clock = clock
+        self.window_s = window_s
+        self.usage = UserUsage(window_s, clock)
+        self._samples: deque[_Sample] = deque()
+
+    # ----------------------------------------------------------------- samples
+
+    def _sample(self, now: float) -> _Sample:
+        met = self._state.metrics
+        return _Sample(
+            now,
+            _counter(met.tokens.metric, "group", "direction"),
+            _counter(met.rejections.metric, "group", "reason"),
+            _histograms(met.queue_wait.metric),
+        )
+
+    def _base(self, current: _Sample) -> _Sample | None:
+        """Keep ``current`` if the last sample is old enough, drop samples the window no
+        longer needs, and return the oldest (the base of every rate), or ``None``."""
+        samples = self._samples
+        if not samples or current.t - samples[-1].t >= SAMPLE_INTERVAL_S:
+            samples.append(current)
+        # keep exactly one sample at or before the window's start
+        while len(samples) >= 2 and samples[1].t <= current.t - self.window_s:
+            samples.popleft()
+        base = samples[0]
+        return None if base is current else base
+
+    # -------------------------------------------------------------------- data
+
+    def data(self) -> dict:
+        """The dashboard's JSON document (shape in the module docstring)."""
+        state = self._state
+        sched = state.admission.scheduler
+        snap = sched.snapshot()
+        now = self._clock()
+        current = self._sample(now)
+        base = self._base(current)
+        covered = current.t - base.t if base is not None else 0.0
+        cost = sched.policy.cost
+        tokens = _minus(current.tokens, base.tokens if base is not None else None)
+        refusals = _minus(current.refusals, base.refusals if base is not None else None)
+
+        def rate(x: float) -> float | None:
+            return x / covered if covered > 0 else None
+
+        names = [g["name"] for g in snap["groups"]]
+        served = {n: tokens.get((n, "prompt"), 0.0) * cost.input_weight + tokens.get((n, "completion"), 0.0) * cost.output_weight for n in names}
+        total_served = sum(served.values())
+        by_reason: dict[str, float] = {}
+        by_group: dict[str, dict[str, float]] = {}
+        for (group, reason), n in refusals.items():
+            if n > 0:
+                by_reason[reason] = by_reason.get(reason, 0.0) + n
+                by_group.setdefault(group, {})[reason] = n
+        oldest = oldest_waits(sched, now)
+        min_shares = {g.name: g.min_share for g in sched.policy.groups}
+        groups = []
+        for i, g in enumerate(snap["groups"]):
+            name = g["name"]
+            wait = _minus_hist(current.waits.get(name, _Hist()), base.waits.get(name, _Hist()) if base is not None else None)
+            groups.append(
+                {
+                    "name": name,
+                    "priority": i,
+                    "min_share": min_shares.get(name, 0.0),
+                    "queued": g["queued"],
+                    "inflight": g["inflight"],
+                    "oldest_wait_s": round(oldest.get(name, 0.0), 3),
+                    "queue_wait_s": {
+                        "mean": wait.total / wait.count if wait.count > 0 else None,
+                        "p50": bucket_quantile(0.5, wait.buckets),
+                        "p95": bucket_quantile(0.95, wait.buckets),
+                        "count": wait.count,
+                    },
+                    "tokens_per_s": rate(tokens.get((name, "prompt"), 0.0) + tokens.get((name, "completion"), 0.0)),
+                    "service_per_s": rate(served[name]),
+                    "service_share": _share(served[name], total_served),
+                    "refusals": sum(by_group.get(name, {}).values()),
+                }
+            )
+        total_refusals = sum(by_reason.values())
+        return {
+            "version": 1,
+            "generated_at": time.time(),
+            "window_s": self.window_s,
+            "covered_s": round(covered, 3),
+            "config_hash": state.active.digest,
+            "inflight": snap["inflight"],
+            "capacity": snap["capacity"],
+            "queued": snap["queued"],
+            "inflight_tokens": snap["inflight_tokens"],
+            "cost": {"input_weight": cost.input_weight, "output_weight": cost.output_weight},
+            "groups": groups,
+            "users": self.users(snap, now),
+            "engines": self.engines(now),
+            "refusals": {"total": total_refusals, "per_s": rate(total_refusals), "by_reason": by_reason, "by_group": by_group},
+        }
+
+    def users(self, snap: dict, now: float, top: int = TOP_USERS) -> dict:
+        """The ``top`` users by recent service, with their share of their group's service
+        and their weight share among the group's active users."""
+        served = self.usage.service(now)
+        queued = snap["users"]
+        weights = {uid: u["weight"] for uid, u in queued.items()}
+        policy = self._state.admission.scheduler.policy
+        group_service: dict[str, float] = {}
+        group_weight: dict[str, float] = {}
+        active: dict[str, tuple[float, str]] = dict(served)
+        for uid, u in queued.items():  # backlogged users count as active even before any service
+            if u["queued"] and uid not in active:
+                active[uid] = (0.0, policy.user(uid).group)
+        for uid, (v, group) in active.items():
+            group_service[group] = group_service.get(group, 0.0) + v
+            group_weight[group] = group_weight.get(group, 0.0) + weights.get(uid, policy.user(uid).weight)
+        ranked = sorted(active.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+        rows = []
+        for uid, (v, group) in ranked:
+            w = weights.get(uid, policy.user(uid).weight)
+            rows.append(
+                {
+                    "id": uid,
+                    "group": group,
+                    "weight": w,
+                    "weight_share": _share(w, group_weight.get(group, 0.0)),
+                    "service_share": _share(v, group_service.get(group, 0.0)),
+                    "service_per_s": self.usage.rate(v, now),
+                    "queued": queued.get(uid, {}).get("queued", 0),
+                }
+            )
+        return {"source": "proxy", "total": len(active), "top": rows}
+
+    def engines(self, now: float) -> list[dict]:
+        """One entry per engine behind this proxy (today: the one upstream)."""
+        state = self._state
+        sched = state.admission.scheduler
+        up = state.active.config.upstream
+        sig = self._signal
+        fresh = sig.reading is not None and now - sig.reading_at <= up.load_signal.stale_after_s
+        if up.load_signal.enabled is False:
+            signal = "off"
+        elif sig.no_signal:
+            signal = "no_signal"
+        elif sig.reading is None:
+            signal = "waiting"
+        else:
+            signal = "ok" if fresh else "stale"
+        reading = sig.reading if fresh else None
+        return [
+            {
+                "name": "upstream",
+                "url": up.url,
+                "kind": up.kind,
+                "inflight": len(sched.inflight),
+                "capacity": sched.capacity,
+                "max_inflight": sched.policy.max_inflight,
+                "inflight_tokens": sched.inflight_tokens,
+                "load": None if reading is None else reading.load,
+                "waiting": None if reading is None else reading.waiting,
+                "saturated": sig.saturated,
+                "load_signal": signal,
+            }
+        ]
+
+
+DASHBOARD = web.AppKey("llm_qos_dashboard", Dashboard)
+
+
+def _static(name: str) -> tuple[bytes, str]:
+    filename, content_type = _STATIC[name]
+    return resources.files("proxy").joinpath("static", filename).read_bytes(), content_type
+
+
+def add_routes(app: web.Application) -> None:
+    """Register ``GET /admin/dashboard`` (the page), its script and style (no key: static
+    text, no data) and ``GET /admin/dashboard.json`` (admin key), and create the
+    :class:`Dashboard` (its :class:`UserUsage` listens to the app's admission)."""
+    state = app[STATE]
+    dashboard = app[DASHBOARD] = Dashboard(state, app[LOAD_SIGNAL], state.admission.clock)
+    state.admission.on_release.append(dashboard.usage.record)
+    for route in _STATIC:
+        body, content_type = _static(route)
+
+        async def page(request: web.Request, body: bytes = body, content_type: str = content_type) -> web.Response:
+            return web.Response(body=body, content_type=content_type, charset="utf-8", headers=PAGE_HEADERS)
+
+        app.router.add_get(f"/admin/{route}", page)
+
+    async def data(request: web.Request) -> web.Response:
+        """``GET /admin/dashboard.json``: the dashboard's data (admin key)."""
+        if (denied := check_admin(request)) is not None:
+            return denied
+        return web.json_response(request.app[DASHBOARD].data(), headers={"Cache-Control": "no-store"})
+
+    app.router.add_get("/admin/dashboard.json", data)

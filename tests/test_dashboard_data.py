@@ -1,0 +1,106 @@
+"""The dashboard's JSON through real sockets, and its pieces: quantiles of a cumulative
+histogram, the bounded per-user service tally."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from proxy.config_watch import reload_config
+from proxy.dashboard import UserUsage, bucket_quantile
+from qos import Ticket
+from tests.conftest import wait_until
+
+ADMIN = {"Authorization": "Bearer adm-1"}
+
+
+def test_bucket_quantile_interpolates_like_histogram_quantile():
+    # 10 observations: 4 in (0, 0.1], 4 in (0.1, 1], 2 above 1
+    buckets = [(0.1, 4.0), (1.0, 8.0), (math.inf, 10.0)]
+    assert bucket_quantile(0.2, buckets) == pytest.approx(0.05)  # rank 2 of 4 in the first bucket
+    assert bucket_quantile(0.5, buckets) == pytest.approx(0.1 + 0.9 * 1 / 4)  # rank 5: 1 of 4 into (0.1, 1]
+    assert bucket_quantile(0.95, buckets) == 1.0  # in the +Inf bucket: the highest finite bound
+    assert bucket_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ticket(user: str, group: str, charged: float) -> Ticket:
+    t = Ticket(seq=1, user_id=user, group=group, prompt_tokens=0, max_output_tokens=0, enqueued_at=0.0, deadline=0.0)
+    t.charged = charged
+    return t
+
+
+def test_user_usage_decays_forgets_and_stays_bounded():
+    clock = Clock()
+    usage = UserUsage(window_s=10.0, clock=clock, max_users=100)
+    usage.record(_ticket("a", "g", 100.0))
+    clock.t += 10.0
+    usage.record(_ticket("a", "g", 100.0))
+    assert usage.service()["a"] == (pytest.approx(100.0 * math.exp(-1) + 100.0), "g")
+    # a steady 10 units/s reads as 10/s, also before a full time constant of history
+    steady = UserUsage(window_s=10.0, clock=clock)
+    for _ in range(50):
+        clock.t += 0.1
+        steady.record(_ticket("s", "g", 1.0))
+    assert steady.rate(steady.service()["s"][0], clock.t) == pytest.approx(10.0, rel=0.05)
+    clock.t += 1000.0  # long idle: forgotten
+    assert usage.service() == {}
+    for i in range(1000):  # identity churn: never more than max_users
+        usage.record(_ticket(f"u{i}", "g", 1.0 + i))
+        assert len(usage) <= 100
+    assert "u999" in usage.service()  # the most served stay
+
+
+async def test_dashboard_json_needs_the_admin_key_and_lists_groups_and_engines(make_stack, http, monkeypatch):
+    monkeypatch.delenv("LLM_QOS_ADMIN_KEY", raising=False)
+    st = await make_stack()
+    async with http.get(st.proxy_url + "/admin/dashboard.json") as r:
+        assert r.status == 403 and (await r.json())["error"]["code"] == "admin_disabled"
+    async with http.get(st.proxy_url + "/admin/dashboard") as r:  # the page still loads, and says so
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
+    async with http.get(st.proxy_url + "/admin/dashboard.json", headers=ADMIN) as r:
+        assert r.status == 200 and r.headers["Cache-Control"] == "no-store"
+        d = await r.json()
+    assert [g["name"] for g in d["groups"]] == ["platinum", "bronze"]
+    assert [e["name"] for e in d["engines"]] == ["upstream"] and d["engines"][0]["url"] == st.upstream_url
+    for path in ("/admin/dashboard.js", "/admin/dashboard.css"):
+        async with http.get(st.proxy_url + path) as r:
+            assert r.status == 200 and "Content-Security-Policy" in r.headers
+
+
+async def test_dashboard_json_counts_service_and_follows_a_reload(make_stack, http, monkeypatch):
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
+    st = await make_stack()
+
+    async def data() -> dict:
+        async with http.get(st.proxy_url + "/admin/dashboard.json", headers=ADMIN) as r:
+            return await r.json()
+
+    await data()  # the first sample: rates count from here
+    for key, n in (("sk-alice", 10), ("sk-carl", 10), ("sk-carl", 10)):
+        async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(n), headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200
+            await r.read()
+    d = await data()
+    share = {g["name"]: g["service_share"] for g in d["groups"]}
+    assert share["bronze"] == pytest.approx(2 / 3, abs=0.05) and share["platinum"] == pytest.approx(1 / 3, abs=0.05)
+    users = {u["id"]: u for u in d["users"]["top"]}
+    assert users["carl"]["service_share"] == 1.0 and users["carl"]["weight_share"] == 1.0
+    assert users["alice"]["group"] == "platinum" and users["alice"]["weight_share"] == 1.0  # bob was not active
+    cfg = yaml.safe_load(st.config_path.read_text())
+    cfg["groups"].insert(1, {"name": "gold", "min_share": 0.3})
+    st.config_path.write_text(yaml.safe_dump(cfg))
+    assert reload_config(st.state)
+    await wait_until(lambda: st.state.active.config.groups[1].name == "gold", what="reload")
+    d = await data()
+    assert [(g["name"], g["min_share"]) for g in d["groups"]] == [("platinum", 0.0), ("gold", 0.3), ("bronze", 0.0)]
