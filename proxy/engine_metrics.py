@@ -86,5 +86,5 @@ def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRou
 
 def engines_status(routers: Iterable[PoolRouter]) -> list[dict]:
     """Every engine of every pool, as :meth:`proxy.router.EngineState.status` describes it:
-    the ``engines`` list of ``/admin/status`` and the dashboard."""
+    the ``engines`` list of ``/admin/status`` and of the dashboard (:mod:`proxy.dashboard`)."""
     return [s for r in routers for s in r.snapshot()]

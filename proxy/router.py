@@ -85,8 +85,11 @@ class EngineState:
         draining: removed from the config by a reload; gets nothing new, leaves the pool
             when its last request is released.
         load: its last fresh load reading (KV fraction, 0..1), or ``None``.
+        waiting: requests waiting inside it, as last reported, or ``None``.
         saturated: its load signal says it is saturated.
         capacity_limit: the limit its load signal sets, or ``None``.
+        load_signal: the poller's state for it, as the dashboard shows it (``off``,
+            ``waiting``, ``ok``, ``stale``, ``no_signal``).
         routed: requests placed on it since start (a metric).
     """
 
@@ -96,8 +99,10 @@ class EngineState:
     inflight_tokens: int = 0
     draining: bool = False
     load: float | None = None
+    waiting: int | None = None
     saturated: bool = False
     capacity_limit: int | None = None
+    load_signal: str = "off"
     routed: int = 0
     _wrr: float = field(default=0.0, repr=False)
 
@@ -139,18 +144,35 @@ class EngineState:
             h = min(h, 1.0 - self.load / self.spec.upstream.load_signal.saturated_at)
         return h
 
-    def set_load(self, load: float | None, saturated: bool = False, capacity_limit: int | None = None) -> None:
-        """Record a load reading (``None`` / False / ``None`` when stale or absent): the
-        KV fraction in use, whether the engine is saturated, and the capacity limit
-        :func:`proxy.load_signal.capacity_for` derives from it."""
-        self.load, self.saturated, self.capacity_limit = load, saturated, capacity_limit
+    def set_load(
+        self,
+        load: float | None,
+        saturated: bool = False,
+        capacity_limit: int | None = None,
+        *,
+        waiting: int | None = None,
+        signal: str | None = None,
+    ) -> None:
+        """Record what the engine's load poller knows (``None`` / False / ``None`` when
+        the reading is stale or absent): the KV fraction in use, whether the engine is
+        saturated (:func:`proxy.load_signal.is_saturated`), the capacity limit
+        :func:`proxy.load_signal.capacity_for` derives from it, the requests waiting
+        inside it, and the poller's state (``signal``, kept when ``None``)."""
+        self.load, self.saturated, self.capacity_limit, self.waiting = load, saturated, capacity_limit, waiting
+        if signal is not None:
+            self.load_signal = signal
 
     def status(self) -> dict:
-        """A JSON-ready view for ``/admin/status`` and the dashboard."""
+        """A JSON-ready view for ``/admin/status`` and the dashboard: the keys of the
+        dashboard's ``engines`` entries (:mod:`proxy.dashboard`: ``name``, ``url``,
+        ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
+        ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
+        ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
+        ``failures``, ``probe_in_s``, ``last_error``."""
         h = self.health
         return {
+            "name": self.name,
             "pool": self.spec.pool,
-            "engine": self.name,
             "url": self.url,
             "kind": self.spec.kind,
             "state": "draining" if self.draining else h.state.value,
@@ -160,7 +182,9 @@ class EngineState:
             "inflight_tokens": self.inflight_tokens,
             "max_inflight_tokens": self.spec.max_inflight_tokens,
             "load": self.load,
+            "waiting": self.waiting,
             "saturated": self.saturated,
+            "load_signal": self.load_signal,
             "headroom": round(self.headroom(placed=0), 4),
             "weight": self.spec.weight,
             "routed": self.routed,

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import engine_metrics
+from proxy.app import create_app
+from proxy.config import parse_config
+from proxy.dashboard import DASHBOARD
 from proxy.engine_health import Health
 from proxy.router import PoolRouter
+from tests.conftest import base_config
 from tests.test_router import Clock, eng, pool, ticket
 
 
@@ -57,8 +62,21 @@ def test_status_lists_every_engine_of_every_pool():
     r1.reserve(t)
     r1.reconfigure(pool(eng(2)))  # e1 keeps its request: draining
     rows = engine_metrics.engines_status([r1, r2])
-    assert [(row["engine"], row["state"]) for row in rows] == [("e2", "healthy"), ("e1", "draining"), ("e3", "healthy")]
+    assert [(row["name"], row["pool"], row["state"]) for row in rows] == [("e2", "p", "healthy"), ("e1", "p", "draining"), ("e3", "p", "healthy")]
     row = rows[1]
     assert row["inflight"] == 1 and row["inflight_tokens"] == 5 and row["url"] == "http://10.0.0.1:8000" and row["routed"] == 1
     r2.engines["e3"].health.state = Health.EJECTED
     assert engine_metrics.engines_status([r2])[0]["state"] == "ejected"
+
+
+def test_status_rows_carry_the_dashboards_engine_keys():
+    """Phase 2 fills the dashboard's ``engines`` list with these rows: every key of the
+    row the dashboard builds today for the single upstream must be there."""
+    app = create_app(parse_config(yaml.safe_dump(base_config("http://127.0.0.1:1"))))
+    (today,) = app[DASHBOARD].engines(0.0)
+    r = PoolRouter(pool(eng(1)), clock=Clock())
+    (e,) = r.engines.values()
+    e.set_load(0.4, False, None, waiting=2, signal="ok")
+    row = engine_metrics.engines_status([r])[0]
+    assert set(today) <= set(row), set(today) - set(row)
+    assert (row["load"], row["waiting"], row["load_signal"]) == (0.4, 2, "ok")
