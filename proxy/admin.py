@@ -39,6 +39,10 @@ def redacted_config(config) -> dict:
     for section in ("upstream", "admin"):
         if data[section].get("api_key"):
             data[section]["api_key"] = REDACTED
+    for pool in data.get("pools") or ():
+        for engine in pool["engines"]:
+            if engine.get("api_key"):
+                engine["api_key"] = REDACTED
     for g in data["groups"]:
         for u in g["users"]:
             if u.get("api_key"):

@@ -42,7 +42,7 @@ async def guard(request: web.Request, handler):
 
 
 def create_app(
-    config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | None = None
+    config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | list[str] | None = None
 ) -> web.Application:
     """Build the proxy application for ``config``.
 

@@ -2,7 +2,11 @@
 
 ``up`` runs the engine and the proxy as two separate processes (the proxy pointed at the
 engine), starts the proxy once the engine is ready, and on Ctrl-C / SIGTERM stops the
-proxy first (it drains) and then the engine.
+proxy first (it drains) and then the engine. ``up --engines N`` starts N engines
+(:mod:`engine_server.fleet`: ports ``--engine-port`` + i; one LightLLM per GPU group) and
+the proxy with one ``--upstream`` per engine, which makes one catch-all pool ``default``
+over them (:func:`proxy.config.with_upstream_urls`); the operator's config file stays the
+one the proxy watches.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--config", required=True, help="YAML config file (watched and hot-reloaded)")
     px.add_argument("--host", default="127.0.0.1")
     px.add_argument("--port", type=int, default=8000)
-    px.add_argument("--upstream", default=None, help="upstream base URL; overrides upstream.url")
+    px.add_argument("--upstream", action="append", default=None, metavar="URL",
+                    help="upstream base URL; overrides upstream.url (repeated: one pool over these engines)")
     px.add_argument("--no-watch", action="store_true", help="do not watch the config file; reload only on SIGHUP or POST /admin/reload")
     px.add_argument("--log-format", choices=("text", "json"), default="text", help="diagnostic log on stderr: readable text (default) or one JSON object per line")
     px.add_argument("--access-log", default="-", metavar="PATH", help="where the access log (one JSON object per request) goes: - for stderr (default), or a file appended to")
@@ -42,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help=f"YAML config (default: the shipped {DEFAULT_CONFIG})")
     up.add_argument("--host", default="127.0.0.1", help="proxy listen address")
     up.add_argument("--port", type=int, default=8000, help="proxy port")
-    up.add_argument("--engine-port", type=int, default=8001)
+    up.add_argument("--engine-port", type=int, default=8001, help="the engine's port (engine i of --engines N: this + i)")
+    up.add_argument("--engines", type=int, default=1, metavar="N", help="start N engines and a pool over them (default 1)")
+    up.add_argument("--tp", type=int, default=1, help="lightllm: GPUs per engine (--engines N needs N*tp GPUs)")
     up.add_argument("--backend", default="auto", choices=["auto", "cpu", "lightllm"])
     up.add_argument("--model", default=None, help="model folder for the engine")
 
@@ -80,7 +87,14 @@ def check_config(path: str) -> int:
         print(f"invalid: {e}", file=sys.stderr)
         return 1
     users = sum(len(g.users) for g in cfg.groups)
-    print(f"ok: {path}: {len(cfg.groups)} groups ({', '.join(g.name for g in cfg.groups)}), {users} users, upstream {cfg.upstream.url} ({cfg.upstream.kind})")
+    if cfg.pools:
+        where = "pools " + "; ".join(
+            f"{p.name} (models {', '.join(m.name for m in p.models)}; engines {', '.join(f'{e.name} ({e.kind})' for e in p.engines)})"
+            for p in cfg.effective_pools()
+        )
+    else:
+        where = f"upstream {cfg.upstream.url} ({cfg.upstream.kind})"
+    print(f"ok: {path}: {len(cfg.groups)} groups ({', '.join(g.name for g in cfg.groups)}), {users} users, {where}")
     return 0
 
 
@@ -88,43 +102,92 @@ async def _up(args: argparse.Namespace) -> int:
     config = args.config or default_config_path()
     if check_config(config) != 0:
         return 2
-    for host, port, what in ((args.host, args.port, "proxy"), ("127.0.0.1", args.engine_port, "engine")):
+    from .pool_config import SERVING_POOLS
+
+    if args.engines > 1 and not SERVING_POOLS:
+        print(
+            f"llm-qos up: --engines {args.engines} makes a pool of engines; this build validates pools but serves only "
+            "the single upstream form (routing across pools arrives with the second phase of issue #12)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        plans = _engine_plans(args)
+    except ValueError as e:
+        print(f"llm-qos up: {e}", file=sys.stderr)
+        return 2
+    for host, port, what in [(args.host, args.port, "proxy"), *(("127.0.0.1", p.port, "engine") for p in plans)]:
         if not _port_free(host, port):
             print(f"llm-qos up: {host}:{port} is already in use; pick another {what} port (--{'port' if what == 'proxy' else 'engine-port'})", file=sys.stderr)
             return 2
-    engine_url = f"http://127.0.0.1:{args.engine_port}"
-    engine_cmd = [sys.executable, "-m", "engine_server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(args.engine_port)]
-    if args.model:
-        engine_cmd += ["--model", args.model]
-    proxy_cmd = [sys.executable, "-m", "proxy", "proxy", "--config", config, "--host", args.host, "--port", str(args.port), "--upstream", engine_url]
+    urls = [p.url for p in plans]
+    proxy_cmd = [sys.executable, "-m", "proxy", "proxy", "--config", config, "--host", args.host, "--port", str(args.port)]
+    for url in urls:
+        proxy_cmd += ["--upstream", url]
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    print(f"llm-qos up: starting the engine ({' '.join(engine_cmd[1:])})", flush=True)
-    engine = await asyncio.create_subprocess_exec(*engine_cmd, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    engines: list[asyncio.subprocess.Process] = []
     proxy = None
+
+    async def start(plan) -> asyncio.subprocess.Process:
+        what = "the engine" if len(plans) == 1 else f"engine {plan.index}"
+        print(f"llm-qos up: starting {what} ({' '.join(plan.argv[1:])})", flush=True)
+        env = {**os.environ, **plan.env} if plan.env else None
+        proc = await asyncio.create_subprocess_exec(*plan.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True, env=env)
+        engines.append(proc)
+        return proc
+
     try:
-        ready = await _wait_line(engine, "engine ready", stop)
-        if not ready:
-            return 1 if engine.returncode not in (None, 0) else 0
-        print(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {engine_url}", flush=True)
+        # the first engine alone (the CPU backend converts the model once, into a folder
+        # the others then reuse), then the others together
+        first = await start(plans[0])
+        ready = [await _wait_line(first, "engine ready", stop)]
+        if ready[0] and len(plans) > 1:
+            rest = [await start(p) for p in plans[1:]]
+            ready += await asyncio.gather(*(_wait_line(e, "engine ready", stop) for e in rest))
+        if not all(ready):
+            return 1 if any(e.returncode not in (None, 0) for e in engines) else 0
+        print(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {', '.join(urls)}", flush=True)
         proxy = await asyncio.create_subprocess_exec(*proxy_cmd, start_new_session=True)
-        engine_exit = asyncio.create_task(engine.wait())
-        proxy_exit = asyncio.create_task(proxy.wait())
+        waits = [asyncio.create_task(p.wait()) for p in (*engines, proxy)]
         stopping = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({engine_exit, proxy_exit, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (engine_exit, proxy_exit, stopping):
+        done, _ = await asyncio.wait({*waits, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (*waits, stopping):
             t.cancel()
         if stopping in done:
             return 0
-        print("llm-qos up: a process exited; stopping the other", file=sys.stderr, flush=True)
+        print("llm-qos up: a process exited; stopping the others", file=sys.stderr, flush=True)
         return 1
     finally:
         await _terminate(proxy, "proxy", 35.0)
-        await _terminate(engine, "engine", 15.0)
+        names = ["engine"] if len(engines) == 1 else [f"engine {i}" for i in range(len(engines))]
+        await asyncio.gather(*(_terminate(e, n, 15.0) for e, n in zip(engines, names)))
+
+
+def _engine_plans(args: argparse.Namespace) -> list:
+    """The engines ``up`` starts (:func:`engine_server.fleet.plan_engines`). One engine is
+    started as before pools existed (``--backend`` passed on as given, ``auto`` too);
+    several need the backend resolved here, to split the GPUs among LightLLM instances.
+
+    Raises:
+        ValueError: see :func:`engine_server.fleet.plan_engines`.
+    """
+    from engine_server.fleet import EnginePlan, plan_engines
+
+    if args.engines == 1:
+        argv = [sys.executable, "-m", "engine_server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(args.engine_port)]
+        if args.model:
+            argv += ["--model", args.model]
+        if args.tp != 1:
+            argv += ["--tp", str(args.tp)]
+        return [EnginePlan(0, "127.0.0.1", args.engine_port, argv)]
+    from engine_server.main import choose_backend
+
+    return plan_engines(args.engines, choose_backend(args.backend), args.engine_port, tp=args.tp, model=args.model)
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 
+from .pool_config import PassthroughConfig, PoolConfig, PoolSpec, bundled_pool_config, check_pools, resolve_pools
+
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -231,6 +233,9 @@ class Config(_Model):
     limits: LimitsConfig = LimitsConfig()
     default_group: str
     groups: list[GroupConfig] = Field(min_length=1)
+    # several engines and models: proxy/pool_config.py (None: the single ``upstream`` form)
+    pools: list[PoolConfig] | None = Field(default=None, min_length=1)
+    passthrough: PassthroughConfig = PassthroughConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -249,7 +254,13 @@ class Config(_Model):
             raise ValueError("two users share the same api_key")
         if sum(g.min_share for g in self.groups) > 1.0:
             raise ValueError("the min_share of all groups must add up to at most 1")
+        check_pools(self)
         return self
+
+    def effective_pools(self) -> tuple[PoolSpec, ...]:
+        """The pools this config describes, defaults filled in (the single ``upstream``
+        form is one catch-all pool): see :func:`proxy.pool_config.resolve_pools`."""
+        return resolve_pools(self)
 
     def group(self, name: str) -> GroupConfig:
         """The group called ``name``. Raises KeyError."""
@@ -293,6 +304,28 @@ def with_upstream_url(config: Config, url: str | None) -> Config:
     except ValidationError as e:
         raise ConfigError(_format_validation("--upstream", e)) from None
     return config.model_copy(update={"upstream": upstream})
+
+
+def with_upstream_urls(config: Config, urls: str | list[str] | None) -> Config:
+    """``config`` with the CLI's ``--upstream`` applied: none, or one URL, as
+    :func:`with_upstream_url`; several URLs make one catch-all pool over those engines
+    (:func:`proxy.pool_config.bundled_pool_config`).
+
+    Raises:
+        ConfigError: ``--upstream`` given for a config with ``pools``, or a URL repeated.
+    """
+    if urls is None or isinstance(urls, str):
+        urls = [urls] if urls else []
+    if not urls:
+        return config
+    if config.pools:
+        raise ConfigError("--upstream replaces the upstream section's url; this config has pools: name the engines there")
+    if len(urls) == 1:
+        return with_upstream_url(config, urls[0])
+    try:
+        return bundled_pool_config(config, [u.rstrip("/") for u in urls])
+    except ValidationError as e:
+        raise ConfigError(_format_validation("--upstream", e)) from None
 
 
 class ConfigError(Exception):

@@ -87,3 +87,12 @@ def engine_error_response(err: dict) -> web.Response:
     body.setdefault("message", "the upstream reported an error")
     body.setdefault("type", _TYPES.get(status, "error"))
     return web.Response(status=status, body=orjson.dumps({"error": body}), content_type="application/json")
+
+
+def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """A terminal ``error`` event for a Responses API stream that fails after its headers
+    were sent (that stream has no ``[DONE]``; the OpenAI SDK hands this event to the caller
+    as a ``ResponseErrorEvent``): ``event: error`` with ``{"type": "error", "code", "message", "param": null,
+    "sequence_number"}`` (OpenAI's ``ResponseErrorEvent``)."""
+    payload = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": sequence_number}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"

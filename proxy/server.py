@@ -26,7 +26,7 @@ async def serve(
     config_path: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    upstream_url: str | None = None,
+    upstream_url: str | list[str] | None = None,
     drain_timeout_s: float = 30.0,
     watch: bool = True,
 ) -> None:
@@ -128,7 +128,7 @@ def run(
     config_path: str,
     host: str,
     port: int,
-    upstream_url: str | None = None,
+    upstream_url: str | list[str] | None = None,
     watch: bool = True,
     log_format: str = "text",
     access_log: str | None = None,

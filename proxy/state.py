@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import Admission
-from .config import Config, with_upstream_url
+from .config import Config, ConfigError, with_upstream_urls
 from .identity import IdentityResolver
 from .metrics import Metrics
+from .pool_config import unserved
 from .upstream import Upstream
 
 
@@ -37,15 +38,19 @@ class ProxyState:
         config: the initial config.
         digest: its file's hash, if loaded from a file.
         config_path: the file it came from (for reloads), or ``None``.
-        upstream_override: an upstream URL that replaces the file's on every load
-            (the CLI's ``--upstream``).
+        upstream_override: upstream URL(s) applied on every load (the CLI's
+            ``--upstream``; several make a pool: :func:`proxy.config.with_upstream_urls`).
+
+    Raises:
+        ConfigError: the override does not fit the config, or this build cannot serve it
+            (:func:`proxy.pool_config.unserved`).
     """
 
     def __init__(
-        self, config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | None = None
+        self, config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | list[str] | None = None
     ) -> None:
         self.upstream_override = upstream_override
-        config = with_upstream_url(config, upstream_override)
+        config = _servable(with_upstream_urls(config, upstream_override))
         self.active = ActiveConfig(config, IdentityResolver(config), digest)
         self.config_path = config_path
         self.admission = Admission(config.to_policy())
@@ -64,8 +69,9 @@ class ProxyState:
 
         Raises:
             ValueError: the config is inconsistent as a scheduler policy (nothing changes).
+            ConfigError: as for the constructor (nothing changes).
         """
-        config = with_upstream_url(config, self.upstream_override)
+        config = _servable(with_upstream_urls(config, self.upstream_override))
         policy = config.to_policy()
         identity = IdentityResolver(config)
         self.admission.update_policy(policy)
@@ -74,3 +80,12 @@ class ProxyState:
             self.upstream.reconfigure(config.upstream)
         self.active = ActiveConfig(config, identity, digest)
         self.last_error = None
+
+
+def _servable(config: Config) -> Config:
+    """``config``, or ConfigError when this build cannot serve it (pools, until the
+    second phase of issue #12 wires them in)."""
+    reason = unserved(config)
+    if reason is not None:
+        raise ConfigError(reason)
+    return config

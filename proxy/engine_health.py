@@ -1,0 +1,349 @@
+"""Engine health: when an engine leaves rotation and when it comes back.
+
+Two parts: :class:`EngineHealth`, a pure state machine per engine (no I/O, injected clock
+and random source), and :class:`HealthChecker`, the asyncio side that sends the active
+checks and probes it asks for, one task per engine, each sleeping until its next check
+is due or its state changes (an event: no polling loop).
+
+The rule (``pools[].health``, :class:`proxy.pool_config.HealthConfig`):
+
+* **Passive.** Every request the relay sends reports its result
+  (:meth:`EngineHealth.record_request`). A failure is: the connection refused or reset
+  before any answer byte, no response headers in time, a 5xx answer, or a stream cut
+  mid-way (:data:`FAILURE_REASONS`). ``failures_to_eject`` consecutive failures (3) eject
+  the engine; any success resets the count. A 4xx is the client's problem: it is a
+  success here.
+* **Active.** Every ``check_interval_s`` (5 s; 0: never) an engine in rotation gets a
+  ``GET check_path`` (``/token_load`` for LightLLM, ``/v1/models`` for OpenAI-style
+  engines); a non-2xx answer, a connection error or no answer within
+  ``check_timeout_s`` is a failed check, and ``checks_to_eject`` consecutive failed
+  checks (2) eject it. Request and check failures are counted apart, so a stream of
+  successful checks cannot hide failing requests, nor the reverse.
+* **Back in.** An ejected engine gets no new requests (those in flight finish). For its
+  n-th ejection in a row it waits ``b = min(eject_max_s, eject_base_s * 2**(n-1))``
+  seconds with "equal jitter", a uniformly random duration in ``[b/2, b]`` (M. Brooker,
+  "Exponential Backoff And Jitter", AWS Architecture Blog, 2015), so that engines
+  ejected together are not probed together; then one probe (the same ``GET``) decides:
+  passed, the engine is back in rotation with its failure counts cleared; failed, it is
+  ejected again for the next, doubled, wait. An ejection within ``eject_max_s`` of the
+  last readmission counts as "in a row" (a flapping engine backs off exponentially); a
+  later one starts over at ``eject_base_s``.
+
+Draining (an engine removed by a reload) is not a health state: the router keeps it out
+of rotation while its requests finish (:mod:`proxy.router`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+
+from .pool_config import HealthConfig
+
+log = logging.getLogger("llm_qos.engine_health")
+
+#: Why a request counted as failed (a bounded label set for metrics).
+FAILURE_REASONS = ("connect", "reset", "timeout", "http_5xx", "stream_cut")
+
+
+class Health(enum.Enum):
+    """An engine's health: in rotation, or ejected until a probe passes."""
+
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+
+
+def check_path_for(config: HealthConfig, kind: str) -> str:
+    """The path an active check ``GET``s: ``config.check_path``, else ``/token_load``
+    for a ``lightllm`` engine (``/health`` of LightLLM 0.0.1 always answers 200:
+    ``shared/interop/lightllm.md``) and ``/v1/models`` for an ``openai`` one (every
+    OpenAI-compatible server, hosted APIs included, answers it)."""
+    if config.check_path:
+        return config.check_path
+    return "/token_load" if kind == "lightllm" else "/v1/models"
+
+
+class EngineHealth:
+    """The health state machine of one engine (see the module docstring for the rule).
+
+    Args:
+        config: the pool's ``health`` settings.
+        name: the engine's name (for log lines).
+        clock: monotonic seconds.
+        rng: returns a float in [0, 1) (the jitter of ejection times).
+
+    Attributes:
+        state: :class:`Health`.
+        request_failures, check_failures: consecutive failures of each kind.
+        streak: ejections in a row (sets the next backoff).
+        ejected_until: clock reading at which an ejected engine is probed, else ``None``.
+        ejections: ejections since start (a metric).
+        failures: failed requests by reason (:data:`FAILURE_REASONS`), since start.
+        checks: checks and probes by result (``ok``, ``failed``), since start.
+        last_error: a short description of the last failure, for status pages.
+        on_change: called (no arguments) whenever the state or the time of the next
+            check changes; :class:`HealthChecker` sets it to wake its task.
+    """
+
+    def __init__(
+        self, config: HealthConfig, name: str = "", clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random
+    ) -> None:
+        self.config = config
+        self.name = name
+        self._clock = clock
+        self._rng = rng
+        self.state = Health.HEALTHY
+        self.request_failures = 0
+        self.check_failures = 0
+        self.streak = 0
+        self.ejected_until: float | None = None
+        self.readmitted_at = -math.inf
+        self.last_check_at = clock()
+        self.ejections = 0
+        self.failures = dict.fromkeys(FAILURE_REASONS, 0)
+        self.checks = {"ok": 0, "failed": 0}
+        self.last_error: str | None = None
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine is in rotation (as far as health goes)."""
+        return self.state is Health.HEALTHY
+
+    def reconfigure(self, config: HealthConfig) -> None:
+        """Use new settings from now on (a reload); counts and state are kept."""
+        self.config = config
+        self._changed()
+
+    def reset(self) -> None:
+        """Forget everything learned (the engine now names another server): healthy,
+        no failures, no ejection streak. The counters since start are kept."""
+        self.state = Health.HEALTHY
+        self.request_failures = self.check_failures = self.streak = 0
+        self.ejected_until = None
+        self.readmitted_at = -math.inf
+        self.last_error = None
+        self._changed()
+
+    def record_request(self, ok: bool, reason: str | None = None, detail: str = "") -> bool:
+        """Report the result of one request sent to the engine.
+
+        Args:
+            ok: it got an answer that is not a 5xx (a 4xx counts as ok).
+            reason: for a failure, one of :data:`FAILURE_REASONS`.
+            detail: a short description for status pages.
+
+        Returns:
+            True when this failure ejected the engine.
+
+        Raises:
+            ValueError: ``ok`` is false and ``reason`` is not a known reason.
+        """
+        if ok:
+            self.request_failures = 0
+            return False
+        if reason not in self.failures:
+            raise ValueError(f"unknown failure reason {reason!r}; one of {FAILURE_REASONS}")
+        self.failures[reason] += 1
+        self.last_error = f"{reason}: {detail}" if detail else reason
+        if self.state is not Health.HEALTHY:
+            return False  # requests that were in flight when it was ejected
+        self.request_failures += 1
+        if self.request_failures >= self.config.failures_to_eject:
+            self._eject(f"{self.request_failures} failed requests in a row, the last {self.last_error}")
+            return True
+        return False
+
+    def record_check(self, ok: bool, detail: str = "") -> None:
+        """Report the result of an active check (engine in rotation) or a probe
+        (ejected engine whose wait is over)."""
+        now = self._clock()
+        self.last_check_at = now
+        self.checks["ok" if ok else "failed"] += 1
+        if self.state is Health.EJECTED:
+            if ok:
+                self.state = Health.HEALTHY
+                self.request_failures = self.check_failures = 0
+                self.ejected_until = None
+                self.readmitted_at = now
+                log.info("engine %s back in rotation: a probe passed", self.name)
+            else:
+                self.last_error = f"probe: {detail}" if detail else "probe failed"
+                self._eject(self.last_error, again=True)
+            self._changed()
+            return
+        if ok:
+            self.check_failures = 0
+        else:
+            self.check_failures += 1
+            self.last_error = f"check: {detail}" if detail else "check failed"
+            if self.check_failures >= self.config.checks_to_eject:
+                self._eject(f"{self.check_failures} failed checks in a row, the last {self.last_error}")
+                return
+        self._changed()
+
+    def check_due_in(self) -> float | None:
+        """Seconds until the next check or probe is due (0: now), or ``None`` when
+        none is scheduled (``check_interval_s`` 0 and the engine in rotation)."""
+        now = self._clock()
+        if self.state is Health.EJECTED:
+            assert self.ejected_until is not None
+            return max(0.0, self.ejected_until - now)
+        interval = self.config.check_interval_s
+        if interval <= 0:
+            return None
+        return max(0.0, self.last_check_at + interval - now)
+
+    def retry_after_s(self) -> float | None:
+        """Seconds until an ejected engine is probed, else ``None``."""
+        if self.ejected_until is None:
+            return None
+        return max(0.0, self.ejected_until - self._clock())
+
+    def backoff_s(self, streak: int) -> float:
+        """The wait before the probe after the ``streak``-th ejection in a row, before
+        jitter: ``min(eject_max_s, eject_base_s * 2**(streak-1))`` seconds."""
+        c = self.config
+        return min(c.eject_max_s, c.eject_base_s * 2.0 ** min(max(streak, 1) - 1, 60))
+
+    def _eject(self, why: str, again: bool = False) -> None:
+        now = self._clock()
+        if again or now - self.readmitted_at < self.config.eject_max_s:
+            self.streak += 1
+        else:
+            self.streak = 1
+        b = self.backoff_s(self.streak)
+        wait = b / 2 + self._rng() * b / 2
+        self.state = Health.EJECTED
+        self.ejected_until = now + wait
+        if not again:  # a failed probe keeps it out; it was not in rotation to leave
+            self.ejections += 1
+        log.warning("engine %s ejected (%s); probed again in %.1f s (ejection %d in a row)", self.name, why, wait, self.streak)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+
+class HealthChecker:
+    """Sends the active checks and probes that engines' :class:`EngineHealth` ask for.
+
+    One asyncio task per watched engine. The task sleeps until
+    :meth:`EngineHealth.check_due_in` says a check or probe is due, or until the
+    engine's health changes (its ``on_change`` sets the task's event: a passive ejection
+    moves the next probe), then sends one ``GET`` and reports the result. Nothing runs
+    while nothing is due. Each check opens a fresh connection (``force_close``), so a check
+    proves the engine still accepts connections, and its answer body is read to at most
+    64 KiB.
+
+    An engine is anything with ``name``, ``url``, ``health`` (an :class:`EngineHealth`)
+    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.router.EngineState`).
+
+    Create and use it inside a running event loop; :meth:`close` it on shutdown.
+    """
+
+    MAX_BODY = 64 * 1024
+
+    def __init__(self) -> None:
+        self._tasks: dict[Any, asyncio.Task] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def watched(self) -> list[Any]:
+        """The engines being watched."""
+        return list(self._tasks)
+
+    def sync(self, engines: Iterable[Any]) -> None:
+        """Watch exactly ``engines`` (all engines in rotation or ejected, across pools):
+        start tasks for new ones, stop those of engines no longer listed."""
+        keep = {e for e in engines if not getattr(e, "draining", False)}
+        for e in list(self._tasks):
+            if e not in keep:
+                self.unwatch(e)
+        for e in keep:
+            self.watch(e)
+
+    def watch(self, engine: Any) -> None:
+        """Start checking ``engine`` (a no-op when it is watched already)."""
+        if engine not in self._tasks:
+            self._tasks[engine] = asyncio.get_running_loop().create_task(self._run(engine), name=f"llm-qos health {engine.name}")
+
+    def unwatch(self, engine: Any) -> None:
+        """Stop checking ``engine`` (its task is cancelled)."""
+        task = self._tasks.pop(engine, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop every task and close the checks' connections."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run(self, engine: Any) -> None:
+        health: EngineHealth = engine.health
+        wake = asyncio.Event()
+        health.on_change = wake.set
+        try:
+            while True:
+                wake.clear()
+                due = health.check_due_in()
+                if due is None:
+                    await wake.wait()
+                    continue
+                if due > 0:
+                    try:
+                        async with asyncio.timeout(due):
+                            await wake.wait()
+                    except TimeoutError:
+                        pass
+                    continue
+                ok, detail = await self.check(engine)
+                if self._tasks.get(engine) is not asyncio.current_task():
+                    return  # unwatched while the check was in flight
+                health.record_check(ok, detail)
+        finally:
+            if health.on_change == wake.set:
+                health.on_change = None
+
+    async def check(self, engine: Any) -> tuple[bool, str]:
+        """One ``GET`` of ``engine``'s check path. Returns ``(passed, detail)``: passed
+        on a 2xx answer within ``check_timeout_s``; detail says what went wrong."""
+        cfg: HealthConfig = engine.health.config
+        path = check_path_for(cfg, engine.spec.kind)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=True,
+            )
+        headers = {"Accept": "application/json"}
+        key = engine.spec.upstream.credential()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            async with asyncio.timeout(cfg.check_timeout_s):
+                async with self._session.get(engine.url + path, headers=headers, allow_redirects=False) as resp:
+                    await resp.content.read(self.MAX_BODY)
+                    status = resp.status
+        except TimeoutError:
+            return False, f"GET {path}: no answer within {cfg.check_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as e:
+            return False, f"GET {path}: {type(e).__name__}: {e}"
+        if 200 <= status < 300:
+            return True, ""
+        return False, f"GET {path} answered {status}"

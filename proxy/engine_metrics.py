@@ -1,0 +1,90 @@
+"""Per-engine metrics and status: every series about the engines of the pools, defined once.
+
+Read from the routers at scrape time (no counters kept here). Labels are bounded: ``pool``
+and ``engine`` take configured names (an engine's ``name``, else its URL), ``state`` and
+``reason`` / ``result`` fixed vocabularies. Series (``docs/operations.md``):
+
+* ``llm_qos_engine_state{pool,engine,state}``: 1 for the engine's state (``healthy``,
+  ``ejected``, ``draining``), 0 for the others.
+* ``llm_qos_engine_inflight_requests``, ``llm_qos_engine_inflight_tokens``: requests placed
+  on it and their reserved tokens.
+* ``llm_qos_engine_capacity_requests``: requests it may run now (``max_inflight``, lowered
+  by its load signal).
+* ``llm_qos_engine_load``: its last fresh KV-cache load (fraction); absent without one.
+* ``llm_qos_engine_headroom``: the router's headroom (fraction free; see
+  :mod:`proxy.router`).
+* ``llm_qos_engine_routed_requests_total``: requests placed on it.
+* ``llm_qos_engine_ejections_total``: times it was taken out of rotation.
+* ``llm_qos_engine_failures_total{reason}``: failed requests, by
+  :data:`proxy.engine_health.FAILURE_REASONS`.
+* ``llm_qos_engine_health_checks_total{result}``: checks and probes, ``ok`` / ``failed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .router import PoolRouter
+
+STATES = ("healthy", "ejected", "draining")
+
+
+class EngineCollector(Collector):
+    """The per-engine series of the module docstring.
+
+    Args:
+        routers: returns the live routers (read at every scrape, so reloads show at once).
+    """
+
+    def __init__(self, routers: Callable[[], Iterable[PoolRouter]]) -> None:
+        self._routers = routers
+
+    def collect(self):
+        labels = ["pool", "engine"]
+        state = GaugeMetricFamily("llm_qos_engine_state", "1 for the engine's state (healthy, ejected, draining), 0 for the others.", labels=[*labels, "state"])
+        inflight = GaugeMetricFamily("llm_qos_engine_inflight_requests", "Requests placed on the engine and not finished.", labels=labels)
+        tokens = GaugeMetricFamily("llm_qos_engine_inflight_tokens", "Reserved tokens (prompt + max output) of the requests placed on the engine.", labels=labels)
+        capacity = GaugeMetricFamily("llm_qos_engine_capacity_requests", "Requests the engine may run now: max_inflight, lowered by its load signal.", labels=labels)
+        load = GaugeMetricFamily("llm_qos_engine_load", "The engine's last fresh KV-cache load (fraction).", labels=labels)
+        headroom = GaugeMetricFamily("llm_qos_engine_headroom", "Fraction of the engine still free (requests, tokens and load; the router's measure).", labels=labels)
+        routed = CounterMetricFamily("llm_qos_engine_routed_requests", "Requests placed on the engine.", labels=labels)
+        ejections = CounterMetricFamily("llm_qos_engine_ejections", "Times the engine was taken out of rotation by its health.", labels=labels)
+        failures = CounterMetricFamily("llm_qos_engine_failures", "Failed requests to the engine, by reason.", labels=[*labels, "reason"])
+        checks = CounterMetricFamily("llm_qos_engine_health_checks", "Health checks and probes of the engine, by result.", labels=[*labels, "result"])
+        for router in self._routers():
+            for e in router.engines.values():
+                key = [router.name, e.name]
+                current = "draining" if e.draining else e.health.state.value
+                for s in STATES:
+                    state.add_metric([*key, s], 1.0 if s == current else 0.0)
+                inflight.add_metric(key, e.inflight)
+                tokens.add_metric(key, e.inflight_tokens)
+                capacity.add_metric(key, e.capacity)
+                if e.load is not None:
+                    load.add_metric(key, e.load)
+                headroom.add_metric(key, e.headroom(placed=0))
+                routed.add_metric(key, e.routed)
+                ejections.add_metric(key, e.health.ejections)
+                for reason, n in e.health.failures.items():
+                    failures.add_metric([*key, reason], n)
+                for result, n in e.health.checks.items():
+                    checks.add_metric([*key, result], n)
+        yield from (state, inflight, tokens, capacity, load, headroom, routed, ejections, failures, checks)
+
+
+def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRouter]]) -> EngineCollector:
+    """Add the per-engine series to ``registry`` (the proxy's :class:`proxy.metrics.Metrics`
+    registry); returns the collector."""
+    collector = EngineCollector(routers)
+    registry.register(collector)
+    return collector
+
+
+def engines_status(routers: Iterable[PoolRouter]) -> list[dict]:
+    """Every engine of every pool, as :meth:`proxy.router.EngineState.status` describes it:
+    the ``engines`` list of ``/admin/status`` and of the dashboard (:mod:`proxy.dashboard`)."""
+    return [s for r in routers for s in r.snapshot()]

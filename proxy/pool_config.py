@@ -1,0 +1,401 @@
+"""The ``pools:`` part of the config: which engines serve which models, and how a request
+is given an engine. The schema of those keys lives here, once; :mod:`proxy.config` imports
+it (this module imports nothing of ours, so there is no cycle).
+
+Two forms, one meaning:
+
+* **Single upstream** (the original form): ``upstream:`` names one engine, which serves
+  every model; ``admission.max_inflight`` / ``max_inflight_tokens`` are its capacity. It
+  is read as one pool, named ``default``, whose only model entry is the catch-all
+  ``"*"`` and whose only engine is ``upstream`` (:func:`resolve_pools`).
+* **Pools**: ``pools:`` lists pools, each with the model names clients send, its engines
+  and a routing policy. ``upstream:`` then holds what every engine shares (timeouts,
+  keep-alive, ``stream_non_streaming``, ``load_signal``), and the defaults of ``kind`` and
+  ``api_key`` / ``api_key_env``; each engine names its own ``url``, and ``upstream.url``
+  must not be given (it would name an engine outside every pool).
+
+A request is routed by its ``model`` (:mod:`proxy.model_routing`). ``"*"`` in a pool's
+``models`` makes it the catch-all: it gets every model no pool names. At most one pool
+may have it.
+
+Every key and its default is documented in ``docs/configuration.md`` (section ``pools``)
+and the routing rules in ``docs/routing.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CATCH_ALL = "*"
+#: Name of the pool the single-upstream form (and ``llm-qos up --engines N``) makes.
+DEFAULT_POOL = "default"
+#: Phase 1 of issue #12 defines, validates and tests pools; admission and the relay do not
+#: route through them yet. Until they do, a proxy refuses to *serve* a config with ``pools``
+#: (``check-config`` still validates it) rather than send its requests to the default
+#: ``upstream.url``. Phase 2 wires pools in and removes this switch.
+SERVING_POOLS = False
+
+_HTTP_TOKEN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # RFC 9110 token: a header field name
+_POOL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _base_url(v: str) -> str:
+    if not (v.startswith("http://") or v.startswith("https://")):
+        raise ValueError("must start with http:// or https://")
+    return v.rstrip("/")
+
+
+class ModelEntry(_Model):
+    """One model name clients may send.
+
+    ``name``: the ``model`` value clients send (``"*"``: every model no pool names).
+    ``upstream_model``: the name the engines know it by, written into the request's
+    ``model`` before it goes upstream (an alias); default: ``name``, unchanged. Written as
+    a plain string, an entry is just its ``name``.
+    """
+
+    name: str = Field(min_length=1, max_length=256)
+    upstream_model: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _catch_all_has_no_alias(self) -> "ModelEntry":
+        if self.name == CATCH_ALL and self.upstream_model is not None:
+            raise ValueError("the catch-all '*' passes the client's model through; it takes no upstream_model")
+        return self
+
+
+class AffinityConfig(_Model):
+    """Optional engine affinity (see :mod:`proxy.router`): requests with the same key
+    prefer the same engine, so an engine's prefix (KV) cache is hit more often.
+
+    ``session_header``: a request header whose value is the key (e.g. ``X-Session-Id``).
+    ``prefix_chars``: when > 0 and the request has no session header, the key is a hash of
+    the first ``prefix_chars`` characters of the prompt (0: off). ``tolerance`` (0..1): the
+    preferred engine is kept while its headroom is at most this much below the best
+    engine's (0: only on exact ties; 1: until it is saturated).
+    """
+
+    session_header: str | None = Field(default=None, pattern=_HTTP_TOKEN, max_length=128)
+    prefix_chars: int = Field(default=0, ge=0, le=1_000_000)
+    tolerance: float = Field(default=0.25, ge=0, le=1)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any affinity key is configured."""
+        return self.session_header is not None or self.prefix_chars > 0
+
+
+class RoutingConfig(_Model):
+    """How a dispatched request is given one of its pool's engines (:mod:`proxy.router`).
+
+    ``policy``: ``least_headroom`` (default: the engine with the most headroom left) or
+    ``round_robin`` (weighted, among engines that fit; for comparison).
+    """
+
+    policy: Literal["least_headroom", "round_robin"] = "least_headroom"
+    affinity: AffinityConfig = AffinityConfig()
+
+
+class HealthConfig(_Model):
+    """When an engine is taken out of rotation and brought back (:mod:`proxy.engine_health`).
+
+    ``failures_to_eject`` (3): consecutive failed requests (connection refused or reset
+    before any answer byte, no headers in time, a 5xx, a stream cut) that eject the engine.
+    ``checks_to_eject`` (2): consecutive failed health checks that eject it.
+    ``eject_base_s`` (2) / ``eject_max_s`` (60): an ejected engine is probed after
+    ``min(eject_max_s, eject_base_s * 2**(n-1))`` seconds for its n-th ejection in a row,
+    with jitter (half of it random); a passed probe brings it back.
+    ``check_interval_s`` (5): seconds between health checks of an engine in rotation
+    (0: none; ejected engines are still probed). ``check_timeout_s`` (2): a check slower
+    than this fails. ``check_path``: the ``GET`` path of a check; default ``/token_load``
+    for ``lightllm`` engines (their ``/health`` is not to be trusted in 0.0.1 and runs a
+    generation in later releases) and ``/v1/models`` for ``openai`` ones.
+    """
+
+    failures_to_eject: int = Field(default=3, ge=1, le=1000)
+    checks_to_eject: int = Field(default=2, ge=1, le=1000)
+    eject_base_s: float = Field(default=2.0, gt=0, le=3600)
+    eject_max_s: float = Field(default=60.0, gt=0, le=86400)
+    check_interval_s: float = Field(default=5.0, ge=0, le=3600)
+    check_timeout_s: float = Field(default=2.0, gt=0, le=600)
+    check_path: str | None = Field(default=None, pattern=r"^/\S*$", max_length=256)
+
+    @model_validator(mode="after")
+    def _max_at_least_base(self) -> "HealthConfig":
+        if self.eject_max_s < self.eject_base_s:
+            raise ValueError(f"eject_max_s ({self.eject_max_s:g}) must be at least eject_base_s ({self.eject_base_s:g})")
+        return self
+
+
+class EngineConfig(_Model):
+    """One engine of a pool, as written in the file. Keys left out take the pool-wide
+    default named below (:func:`resolve_pools` fills them in).
+
+    ``url``: base URL. ``name``: a short name for metrics and status (default: ``url``).
+    ``kind``, ``api_key``, ``api_key_env``: as in ``upstream`` (default: ``upstream``'s).
+    ``max_inflight`` / ``max_inflight_tokens``: this engine's capacity, in requests and in
+    reserved tokens (default: ``admission.max_inflight`` / ``max_inflight_tokens``).
+    ``weight`` (> 0, default 1): its share under ``round_robin`` and of affinity keys.
+    ``load_signal``: keys of ``upstream.load_signal`` to override for this engine.
+    ``priority_field``: two-level scheduling: the body field in which this engine expects
+    a request priority (vLLM ``--scheduling-policy priority``, SGLang
+    ``--enable-priority-scheduling``: ``priority``); the proxy writes each request's
+    group rank there (:mod:`proxy.engine_body`). Never sent when unset.
+    ``priority_order``: ``lower_first`` (vLLM) or ``higher_first`` (SGLang's default).
+    """
+
+    url: str
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    kind: Literal["openai", "lightllm"] | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None
+    max_inflight: int | None = Field(default=None, ge=1)
+    max_inflight_tokens: int | None = Field(default=None, ge=1)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    load_signal: dict[str, Any] | None = None
+    priority_field: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    priority_order: Literal["lower_first", "higher_first"] = "lower_first"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _base_url(v)
+
+    @property
+    def engine_name(self) -> str:
+        """``name``, or the URL when none is given."""
+        return self.name or self.url
+
+
+class PoolConfig(_Model):
+    """One pool: a queue of its own and the engines that serve its models.
+
+    ``name``: unique, a metrics label (letters, digits, ``.``, ``_``, ``-``; at most 64).
+    ``models``: the names clients send (see :class:`ModelEntry`). ``engines``: at least
+    one. ``routing``: :class:`RoutingConfig`. ``health``: :class:`HealthConfig`.
+    """
+
+    name: str = Field(pattern=_POOL_NAME)
+    models: list[ModelEntry] = Field(min_length=1)
+    engines: list[EngineConfig] = Field(min_length=1)
+    routing: RoutingConfig = RoutingConfig()
+    health: HealthConfig = HealthConfig()
+
+    @model_validator(mode="after")
+    def _unique_inside(self) -> "PoolConfig":
+        for what, values in (
+            ("model names", [m.name for m in self.models]),
+            ("engine urls", [e.url for e in self.engines]),
+            ("engine names", [e.engine_name for e in self.engines]),
+        ):
+            dup = sorted({v for v in values if values.count(v) > 1})
+            if dup:
+                raise ValueError(f"{what} must be unique within pool {self.name!r}, repeated: {dup}")
+        return self
+
+
+class PassthroughConfig(_Model):
+    """Other paths under ``/v1/`` (not chat, completions, embeddings, responses, models).
+
+    ``enabled`` (false): pass them to an engine (the pool of the body's ``model``, else the
+    catch-all pool, else the only pool); off, they answer 404 as before. ``admit`` (true):
+    such a request waits for admission like any other, reserving ``cost_tokens`` (1)
+    tokens; false: it goes straight to an engine, outside admission and rate limits.
+    """
+
+    enabled: bool = False
+    admit: bool = True
+    cost_tokens: int = Field(default=1, ge=0, le=1_000_000)
+
+
+# --------------------------------------------------------------- resolved form
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine with every default filled in: what the router and the relay use.
+
+    Attributes:
+        pool: its pool's name.
+        name: its name (metrics label ``engine``; unique within the pool).
+        upstream: the ``upstream`` section this engine is reached with (a
+            :class:`proxy.config.UpstreamConfig` whose ``url``, ``kind``, credential and
+            ``load_signal`` are this engine's): pass it to :class:`proxy.upstream.Upstream`
+            and the load-signal poller as they are.
+        max_inflight: requests it may run at once (>= 1).
+        max_inflight_tokens: reserved tokens it may hold at once, or ``None``.
+        weight: routing weight (> 0).
+        priority_field, priority_order: two-level scheduling (see :class:`EngineConfig`).
+    """
+
+    pool: str
+    name: str
+    upstream: Any
+    max_inflight: int
+    max_inflight_tokens: int | None
+    weight: float = 1.0
+    priority_field: str | None = None
+    priority_order: str = "lower_first"
+
+    @property
+    def url(self) -> str:
+        """The engine's base URL."""
+        return self.upstream.url
+
+    @property
+    def kind(self) -> str:
+        """``openai`` or ``lightllm``."""
+        return self.upstream.kind
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool with every default filled in.
+
+    Attributes:
+        name: the pool's name.
+        models: its model entries (``"*"`` for the catch-all).
+        engines: its engines, in config order.
+        routing, health: its settings.
+        single_upstream: made from the single-``upstream`` form (its models list is the
+            upstream's own: ``GET /v1/models`` is passed through).
+    """
+
+    name: str
+    models: tuple[ModelEntry, ...]
+    engines: tuple[EngineSpec, ...]
+    routing: RoutingConfig
+    health: HealthConfig
+    single_upstream: bool = False
+
+    @property
+    def catch_all(self) -> bool:
+        """Whether this pool takes every model no pool names."""
+        return any(m.name == CATCH_ALL for m in self.models)
+
+
+def _engine_upstream(upstream: Any, engine: EngineConfig) -> Any:
+    """``upstream`` (an UpstreamConfig) with ``engine``'s url, kind, credential and
+    load-signal overrides. Raises ValueError for an invalid ``load_signal`` override."""
+    update: dict[str, Any] = {"url": engine.url}
+    if engine.kind is not None:
+        update["kind"] = engine.kind
+    if engine.api_key is not None or engine.api_key_env is not None:
+        update["api_key"], update["api_key_env"] = engine.api_key, engine.api_key_env
+    if engine.load_signal:
+        base = upstream.load_signal
+        try:
+            update["load_signal"] = type(base).model_validate({**base.model_dump(), **engine.load_signal})
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(value)'}: {x['msg']}" for x in e.errors())
+            raise ValueError(f"engine {engine.engine_name!r}: load_signal: {problems}") from None
+    return upstream.model_copy(update=update)
+
+
+def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
+    """The pools ``config`` (a :class:`proxy.config.Config`) describes, defaults filled in.
+
+    The single-upstream form gives one pool, ``default``, serving ``"*"`` with the one
+    engine ``upstream`` (named by its URL), whose capacity is ``admission.max_inflight`` /
+    ``max_inflight_tokens``: exactly what the proxy enforced before pools existed.
+
+    Raises:
+        ValueError: an engine's ``load_signal`` override is invalid (the config validator
+            calls this, so a loaded config never raises here).
+    """
+    adm = config.admission
+    if not config.pools:
+        engine = EngineSpec(DEFAULT_POOL, config.upstream.url, config.upstream, adm.max_inflight, adm.max_inflight_tokens)
+        return (
+            PoolSpec(DEFAULT_POOL, (ModelEntry(name=CATCH_ALL),), (engine,), RoutingConfig(), HealthConfig(), single_upstream=True),
+        )
+    out = []
+    for pool in config.pools:
+        engines = tuple(
+            EngineSpec(
+                pool=pool.name,
+                name=e.engine_name,
+                upstream=_engine_upstream(config.upstream, e),
+                max_inflight=e.max_inflight if e.max_inflight is not None else adm.max_inflight,
+                max_inflight_tokens=e.max_inflight_tokens if e.max_inflight_tokens is not None else adm.max_inflight_tokens,
+                weight=e.weight,
+                priority_field=e.priority_field,
+                priority_order=e.priority_order,
+            )
+            for e in pool.engines
+        )
+        out.append(PoolSpec(pool.name, tuple(pool.models), engines, pool.routing, pool.health))
+    return tuple(out)
+
+
+def check_pools(config: Any) -> None:
+    """Cross-pool rules of a :class:`proxy.config.Config` (called by its validator).
+
+    Raises:
+        ValueError: pool names repeated; a model name in two pools; ``"*"`` in two pools;
+            ``upstream.url`` given together with ``pools``; an invalid engine
+            ``load_signal`` override. The message names the pools and models concerned.
+    """
+    if not config.pools:
+        return
+    if "url" in config.upstream.model_fields_set:
+        raise ValueError(
+            "give either upstream.url (one engine serving every model) or pools (each engine names its url), not both; "
+            "with pools, upstream holds only the settings every engine shares"
+        )
+    names = [p.name for p in config.pools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"pool names must be unique, repeated: {dup}")
+    owner: dict[str, str] = {}
+    for p in config.pools:
+        for m in p.models:
+            if m.name in owner:
+                what = "the catch-all '*'" if m.name == CATCH_ALL else f"model {m.name!r}"
+                raise ValueError(f"{what} is in two pools, {owner[m.name]!r} and {p.name!r}; a model belongs to one pool")
+            owner[m.name] = p.name
+    resolve_pools(config)  # engine load_signal overrides
+
+
+def unserved(config: Any) -> str | None:
+    """Why this build cannot serve ``config`` (a sentence), or ``None`` when it can.
+
+    See :data:`SERVING_POOLS`."""
+    if config.pools and not SERVING_POOLS:
+        return (
+            "this config has pools: they are validated (llm-qos check-config) but this build still serves only the "
+            "single upstream form; routing across pools arrives with the second phase of issue #12"
+        )
+    return None
+
+
+def bundled_pool_config(config: Any, urls: list[str]) -> Any:
+    """``config`` (single-upstream form) turned into one catch-all pool ``default`` over
+    the engines at ``urls``: what ``llm-qos up --engines N`` and ``llm-qos proxy --upstream
+    A --upstream B`` serve. Each engine shares the ``upstream`` settings (kind, credential,
+    timeouts, load signal) and has the capacity ``admission.max_inflight`` /
+    ``max_inflight_tokens`` that one engine had.
+
+    Raises:
+        ValueError: ``config`` already has ``pools`` (name the engines there), or ``urls``
+            is empty or repeats a URL.
+    """
+    if config.pools:
+        raise ValueError("the config has pools: list their engines there, not with --upstream")
+    if not urls:
+        raise ValueError("no engine URL given")
+    data = config.model_dump(exclude={"upstream": {"url"}, "pools": True})
+    data["pools"] = [{"name": DEFAULT_POOL, "models": [CATCH_ALL], "engines": [{"url": u} for u in urls]}]
+    return type(config).model_validate(data)

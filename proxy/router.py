@@ -1,0 +1,485 @@
+"""The router: which engine of a pool serves a request, chosen when it is dispatched.
+
+Bind late. A request waits in its pool's queue, where the scheduler orders it (strict
+priority, token-fair); it is given an engine only at dispatch, to the engine with the
+most headroom at that moment. :class:`PoolRouter` is the pool's capacity as the
+scheduler sees it: ``fits(ticket)`` (does some engine have room for the head of the
+queue?), ``reserve(ticket)`` (place it on the chosen engine) and ``release(ticket)``
+(free it), the same three questions ``admission.max_inflight`` /
+``max_inflight_tokens`` answered for one engine. It is pure: no I/O, no tasks; health
+comes from :mod:`proxy.engine_health`, load readings from whoever polls them.
+
+Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max output):
+
+* **capacity** ``cap(e) = min(max_inflight, limit)``, where ``limit`` is the capacity
+  limit the engine's load signal sets (:func:`proxy.load_signal.capacity_for`: 1 while it
+  reports itself saturated), or ``max_inflight`` alone when there is none.
+* **in rotation**: healthy (not ejected) and not draining (removed by a reload).
+* **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
+  ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens`` or
+  nothing is in flight there (one request always fits an idle engine, as before pools).
+* **headroom** ``h(e, t)``: the fraction of the engine still free once the request is
+  placed, the smallest of ``1 - (inflight + 1) / cap``, ``1 - (inflight_tokens + t) /
+  max_inflight_tokens`` (when set) and ``1 - load / saturated_at`` (when a fresh load
+  reading exists). Fractions, so engines of different sizes compare; after placing, so a
+  big engine is preferred to a small one equally loaded, and a large request to the
+  engine it dents least.
+* **saturated**: its load signal says so (it then fits only while nothing of ours runs
+  there, so the queue cannot stall behind an engine kept busy by someone else).
+
+``least_headroom`` (default) picks, among the engines that fit, the one with the largest
+``h``; exact ties go to the next engine in config order after the last one picked.
+``round_robin`` picks by smooth weighted round robin (nginx's algorithm) among the engines
+that fit. Never an engine that does not fit: a saturated, full, ejected or draining
+engine gets nothing while another fits.
+
+**Affinity** (optional, ``routing.affinity``): a key (a session header's value, or the
+prompt's first ``prefix_chars`` characters) ranks the engines by weighted rendezvous
+hashing (Thaler & Ravishankar, "Using name-based mappings to increase hit rates", 1998;
+weights as in Schindelhauer & Schomaker, 2005: score ``-weight / ln(u)``, ``u`` a hash of
+key and engine name in (0, 1)). Adding or removing an engine moves only the keys whose
+first choice it is, about ``1/n`` of them. The request goes to the first engine in that
+order that fits, is not saturated, and whose headroom is at least the best headroom minus
+``tolerance``; if none qualifies, the policy decides as without a key. Affinity breaks
+ties among engines with headroom; it never overrides saturation. No per-key state is kept,
+so hostile keys cannot grow memory; a client can steer only its own requests, and only
+among engines within ``tolerance`` of the best.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .engine_health import EngineHealth, Health
+from .pool_config import EngineSpec, PoolSpec, RoutingConfig
+
+
+class Reservable(Protocol):
+    """What the router needs of a request: hashable by identity (a
+    :class:`qos.Ticket`), and the tokens it reserves."""
+
+    @property
+    def reserved_tokens(self) -> int: ...
+
+
+class NoEngineFits(LookupError):
+    """:meth:`PoolRouter.reserve` was asked to place a request no engine has room for
+    (the caller skipped :meth:`PoolRouter.fits`)."""
+
+
+@dataclass(eq=False)
+class EngineState:
+    """One engine as the router sees it. Identity-compared.
+
+    Attributes:
+        spec: its resolved config (:class:`proxy.pool_config.EngineSpec`).
+        health: its :class:`proxy.engine_health.EngineHealth`.
+        inflight: requests placed on it and not released.
+        inflight_tokens: their reserved tokens.
+        draining: removed from the config by a reload; gets nothing new, leaves the pool
+            when its last request is released.
+        load: its last fresh load reading (KV fraction, 0..1), or ``None``.
+        waiting: requests waiting inside it, as last reported, or ``None``.
+        saturated: its load signal says it is saturated.
+        capacity_limit: the limit its load signal sets, or ``None``.
+        load_signal: the poller's state for it, as the dashboard shows it (``off``,
+            ``waiting``, ``ok``, ``stale``, ``no_signal``).
+        routed: requests placed on it since start (a metric).
+    """
+
+    spec: EngineSpec
+    health: EngineHealth
+    inflight: int = 0
+    inflight_tokens: int = 0
+    draining: bool = False
+    load: float | None = None
+    waiting: int | None = None
+    saturated: bool = False
+    capacity_limit: int | None = None
+    load_signal: str = "off"
+    routed: int = 0
+    _wrr: float = field(default=0.0, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def capacity(self) -> int:
+        """Requests it may run now: ``max_inflight``, lowered by the load signal's limit."""
+        limit = self.capacity_limit
+        return self.spec.max_inflight if limit is None else max(1, min(limit, self.spec.max_inflight))
+
+    @property
+    def in_rotation(self) -> bool:
+        """Healthy and not draining."""
+        return self.health.state is Health.HEALTHY and not self.draining
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request reserving ``tokens`` may be placed here now (module docstring)."""
+        if not self.in_rotation or self.inflight >= self.capacity:
+            return False
+        cap = self.spec.max_inflight_tokens
+        return cap is None or self.inflight == 0 or self.inflight_tokens + tokens <= cap
+
+    def headroom(self, tokens: int = 0, placed: int = 1) -> float:
+        """``h(e, t)`` of the module docstring: the fraction left free once ``placed``
+        requests reserving ``tokens`` in all are added (``placed=0``: free now). At most
+        1; below 0 when over a limit."""
+        h = 1.0 - (self.inflight + placed) / self.capacity
+        cap = self.spec.max_inflight_tokens
+        if cap is not None:
+            h = min(h, 1.0 - (self.inflight_tokens + tokens) / cap)
+        if self.load is not None:
+            h = min(h, 1.0 - self.load / self.spec.upstream.load_signal.saturated_at)
+        return h
+
+    def set_load(
+        self,
+        load: float | None,
+        saturated: bool = False,
+        capacity_limit: int | None = None,
+        *,
+        waiting: int | None = None,
+        signal: str | None = None,
+    ) -> None:
+        """Record what the engine's load poller knows (``None`` / False / ``None`` when
+        the reading is stale or absent): the KV fraction in use, whether the engine is
+        saturated (:func:`proxy.load_signal.is_saturated`), the capacity limit
+        :func:`proxy.load_signal.capacity_for` derives from it, the requests waiting
+        inside it, and the poller's state (``signal``, kept when ``None``)."""
+        self.load, self.saturated, self.capacity_limit, self.waiting = load, saturated, capacity_limit, waiting
+        if signal is not None:
+            self.load_signal = signal
+
+    def status(self) -> dict:
+        """A JSON-ready view for ``/admin/status`` and the dashboard: the keys of the
+        dashboard's ``engines`` entries (:mod:`proxy.dashboard`: ``name``, ``url``,
+        ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
+        ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
+        ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
+        ``failures``, ``probe_in_s``, ``last_error``."""
+        h = self.health
+        return {
+            "name": self.name,
+            "pool": self.spec.pool,
+            "url": self.url,
+            "kind": self.spec.kind,
+            "state": "draining" if self.draining else h.state.value,
+            "inflight": self.inflight,
+            "capacity": self.capacity,
+            "max_inflight": self.spec.max_inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "max_inflight_tokens": self.spec.max_inflight_tokens,
+            "load": self.load,
+            "waiting": self.waiting,
+            "saturated": self.saturated,
+            "load_signal": self.load_signal,
+            "headroom": round(self.headroom(placed=0), 4),
+            "weight": self.spec.weight,
+            "routed": self.routed,
+            "ejections": h.ejections,
+            "failures": dict(h.failures),
+            "probe_in_s": None if h.ejected_until is None else round(h.retry_after_s() or 0.0, 3),
+            "last_error": h.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What a :meth:`PoolRouter.reconfigure` did, engines by name.
+
+    Attributes:
+        added: new engines (start healthy).
+        updated: engines kept (counts, health and routing history carried over).
+        reset: of ``updated``, those whose URL or kind changed: their health starts over.
+        draining: removed engines with requests still in flight.
+        removed: removed engines that left at once (nothing in flight).
+    """
+
+    added: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    reset: tuple[str, ...] = ()
+    draining: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+def affinity_key(routing: RoutingConfig, session: str | None, prompt_text: str | None) -> str | None:
+    """The affinity key of a request under ``routing.affinity``, or ``None``.
+
+    Args:
+        session: the value of the ``session_header`` the request carried, if any.
+        prompt_text: the start of its prompt (at least ``prefix_chars`` characters when it
+            has that many; see :func:`proxy.request_kinds.prompt_prefix`), if any.
+
+    The session wins over the prefix; an empty value counts as absent.
+    """
+    aff = routing.affinity
+    if aff.session_header is not None and session:
+        return "s\x00" + session
+    if aff.prefix_chars > 0 and prompt_text:
+        return "p\x00" + prompt_text[: aff.prefix_chars]
+    return None
+
+
+def _unit_hash(data: bytes) -> float:
+    """A uniform float in (0, 1) from ``data`` (BLAKE2b, 64 bits)."""
+    n = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+    return (n + 0.5) / 2.0**64
+
+
+def rendezvous_order(key: str, engines: Iterable[EngineState]) -> list[EngineState]:
+    """``engines`` by weighted rendezvous score for ``key``, best first (module
+    docstring). Deterministic for a key and a set of engine names and weights."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def score(e: EngineState) -> float:
+        u = _unit_hash(digest + e.name.encode("utf-8", "surrogatepass"))
+        return -e.spec.weight / math.log(u)
+
+    return sorted(engines, key=score, reverse=True)
+
+
+class PoolRouter:
+    """The engines of one pool and the choice among them (module docstring).
+
+    Args:
+        pool: the pool's resolved config.
+        clock: monotonic seconds (passed to each engine's health).
+        rng: float in [0, 1) (ejection jitter).
+        affinity_of: returns the affinity key of a ticket given to :meth:`reserve`
+            without one (see :func:`affinity_key`); default: none.
+
+    Attributes:
+        name: the pool's name.
+        engines: name -> :class:`EngineState`, config order, draining engines last.
+        on_engine_removed: called with an engine that left the pool (removed by a reload
+            and drained); phase 2 closes its connections and health task there.
+    """
+
+    def __init__(
+        self,
+        pool: PoolSpec,
+        clock: Callable[[], float] = time.monotonic,
+        rng: Callable[[], float] = random.random,
+        affinity_of: Callable[[Any], str | None] | None = None,
+    ) -> None:
+        self.name = pool.name
+        self._clock = clock
+        self._rng = rng
+        self.affinity_of = affinity_of or (lambda _t: None)
+        self.engines: dict[str, EngineState] = {}
+        self.routing = pool.routing
+        self._placed: dict[Any, tuple[EngineState, int]] = {}
+        self._turn = 0
+        self.on_engine_removed: Callable[[EngineState], None] | None = None
+        self.reconfigure(pool)
+
+    # ---------------------------------------------------------------- config
+
+    def reconfigure(self, pool: PoolSpec) -> Changes:
+        """Take a reloaded pool config: add engines, update kept ones (matched by name;
+        counts and history kept; a changed URL or kind resets their health and load),
+        and drain removed ones (no new requests; they leave when their last request is
+        released). Nothing in flight is touched."""
+        self.routing = pool.routing
+        new: dict[str, EngineState] = {}
+        added, updated, reset = [], [], []
+        for spec in pool.engines:
+            e = self.engines.get(spec.name)
+            if e is None:
+                e = EngineState(spec, EngineHealth(pool.health, spec.name, self._clock, self._rng))
+                added.append(spec.name)
+            else:
+                if (e.spec.url, e.spec.kind) != (spec.url, spec.kind):
+                    e.health.reset()
+                    e.set_load(None)
+                    reset.append(spec.name)
+                e.spec = spec
+                e.draining = False
+                e.health.reconfigure(pool.health)
+                updated.append(spec.name)
+            new[spec.name] = e
+        draining, removed = [], []
+        for name, e in self.engines.items():
+            if name in new:
+                continue
+            if e.inflight > 0:
+                e.draining = True
+                new[name] = e
+                draining.append(name)
+            else:
+                removed.append(name)
+        gone = [self.engines[n] for n in removed]
+        self.engines = new
+        for e in gone:
+            self._removed(e)
+        return Changes(tuple(added), tuple(updated), tuple(reset), tuple(draining), tuple(removed))
+
+    def _removed(self, engine: EngineState) -> None:
+        engine.draining = True
+        if self.on_engine_removed is not None:
+            self.on_engine_removed(engine)
+
+    # ---------------------------------------------------------------- choice
+
+    def choose(self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True) -> EngineState | None:
+        """The engine for a request reserving ``tokens``, or ``None`` when none fits.
+
+        Args:
+            tokens: reserved tokens (prompt + max output).
+            key: affinity key (:func:`affinity_key`), or ``None``.
+            exclude: engines not to choose (already tried for this request).
+            commit: advance the policy's rotation (False for a mere "is there one?").
+        """
+        cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens)]
+        if not cands:
+            return None
+        if self.routing.policy == "round_robin":
+            pick = self._by_affinity(key, [e for e in cands if not e.saturated]) if key else None
+            return pick or self._round_robin(cands, commit)
+        scores = {e: e.headroom(tokens) for e in cands}
+        best = max(scores.values())
+        if key:
+            floor = best - self.routing.affinity.tolerance - 1e-12
+            pick = self._by_affinity(key, [e for e in cands if not e.saturated and scores[e] >= floor])
+            if pick is not None:
+                return pick
+        tied = [e for e in cands if scores[e] >= best - 1e-12]
+        return self._next_in_turn(tied, commit)
+
+    @staticmethod
+    def _by_affinity(key: str, eligible: list[EngineState]) -> EngineState | None:
+        return rendezvous_order(key, eligible)[0] if eligible else None
+
+    def _next_in_turn(self, tied: list[EngineState], commit: bool) -> EngineState:
+        if len(tied) == 1:
+            pick = tied[0]
+        else:
+            order = {e: i for i, e in enumerate(self.engines.values())}
+            n = len(order)
+            pick = min(tied, key=lambda e: (order[e] - self._turn) % n)
+        if commit:
+            self._turn = list(self.engines.values()).index(pick) + 1
+        return pick
+
+    @staticmethod
+    def _round_robin(cands: list[EngineState], commit: bool) -> EngineState:
+        """Smooth weighted round robin (nginx ``ngx_http_upstream_get_peer``): every
+        candidate gains its weight, the largest total is picked and pays the sum."""
+        if not commit:
+            return cands[0]
+        total = 0.0
+        for e in cands:
+            e._wrr += e.spec.weight
+            total += e.spec.weight
+        pick = max(cands, key=lambda e: e._wrr)
+        pick._wrr -= total
+        return pick
+
+    # ------------------------------------------------- the scheduler's seam
+
+    def fits(self, ticket: Reservable) -> bool:
+        """Whether some engine in rotation has room for ``ticket`` now."""
+        return self.choose(ticket.reserved_tokens, commit=False) is not None
+
+    def reserve(self, ticket: Reservable, key: str | None = None) -> EngineState:
+        """Place ``ticket`` on the engine :meth:`choose` picks (affinity key ``key``,
+        else ``affinity_of(ticket)``) and count it there.
+
+        Raises:
+            NoEngineFits: no engine has room (call :meth:`fits` first).
+            ValueError: ``ticket`` is already placed.
+        """
+        if ticket in self._placed:
+            raise ValueError("this request is already placed on an engine")
+        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket))
+        if engine is None:
+            raise NoEngineFits(f"no engine of pool {self.name!r} has room for {ticket.reserved_tokens} tokens")
+        self._place(ticket, engine)
+        return engine
+
+    def release(self, ticket: Reservable) -> EngineState | None:
+        """Free ``ticket``'s place; returns its engine, or ``None`` when it had none (a
+        second release changes nothing). A draining engine whose last request this was
+        leaves the pool."""
+        placed = self._placed.pop(ticket, None)
+        if placed is None:
+            return None
+        engine, tokens = placed
+        engine.inflight -= 1
+        engine.inflight_tokens -= tokens
+        if engine.draining and engine.inflight == 0 and self.engines.get(engine.name) is engine:
+            del self.engines[engine.name]
+            self._removed(engine)
+        return engine
+
+    def engine_of(self, ticket: Reservable) -> EngineState | None:
+        """The engine ``ticket`` is placed on, or ``None``."""
+        placed = self._placed.get(ticket)
+        return placed[0] if placed is not None else None
+
+    def reroute(self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None) -> EngineState | None:
+        """Move ``ticket`` to another engine (its request never reached the one it was
+        on): frees its place, then places it on the engine :meth:`choose` picks among
+        those not in ``exclude`` and not the one it leaves. Returns the new engine, or
+        ``None`` (then it is placed nowhere and the caller answers the client)."""
+        old = self.release(ticket)
+        skip = set(exclude)
+        if old is not None:
+            skip.add(old)
+        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip)
+        if engine is not None:
+            self._place(ticket, engine)
+        return engine
+
+    def _place(self, ticket: Reservable, engine: EngineState) -> None:
+        tokens = ticket.reserved_tokens
+        self._placed[ticket] = (engine, tokens)
+        engine.inflight += 1
+        engine.inflight_tokens += tokens
+        engine.routed += 1
+
+    # --------------------------------------------------------------- health
+
+    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "") -> bool:
+        """Record the result of a request sent to ``engine`` (see
+        :meth:`proxy.engine_health.EngineHealth.record_request`); True if it ejected it."""
+        return engine.health.record_request(ok, reason, detail)
+
+    @property
+    def available(self) -> bool:
+        """Whether any engine is in rotation (else: answer 503 at once, never queue)."""
+        return any(e.in_rotation for e in self.engines.values())
+
+    def retry_after_s(self) -> float:
+        """A ``Retry-After`` for a 503 when no engine is in rotation: seconds until the
+        first ejected engine is probed, at least 1."""
+        waits = [w for e in self.engines.values() if not e.draining and (w := e.health.retry_after_s()) is not None]
+        return max(1.0, min(waits)) if waits else 1.0
+
+    # ----------------------------------------------------------- inspection
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engines in rotation may run now, together."""
+        return sum(e.capacity for e in self.engines.values() if e.in_rotation)
+
+    @property
+    def inflight(self) -> int:
+        """Requests placed and not released, on all engines (draining ones included)."""
+        return len(self._placed)
+
+    def snapshot(self) -> list[dict]:
+        """Every engine's :meth:`EngineState.status`, config order."""
+        return [e.status() for e in self.engines.values()]

@@ -1,0 +1,76 @@
+"""Several bundled engines on one host: ports, GPU groups, NCCL ports, and ``llm-qos up
+--engines N`` as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine_server import fleet, lightllm_backend
+from proxy.pool_config import SERVING_POOLS
+from tests.test_cli import ENV, REPO_ROOT
+
+
+def test_cpu_engines_get_consecutive_ports_and_their_own_commands():
+    plans = fleet.plan_engines(3, "cpu", 9100, model="/m")
+    assert [p.url for p in plans] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
+    for p in plans:
+        assert p.argv[1:3] == ["-m", "engine_server"] and p.argv[p.argv.index("--port") + 1] == str(p.port)
+        assert p.argv[p.argv.index("--backend") + 1] == "cpu" and p.argv[p.argv.index("--model") + 1] == "/m"
+        assert p.env == {} and p.nccl_port is None and "--nccl-port" not in p.argv
+
+
+def test_lightllm_engines_split_the_gpus_and_get_distinct_nccl_ports():
+    plans = fleet.plan_engines(2, "lightllm", 8001, tp=2, gpus=["0", "1", "2", "3"], model="/models/llama")
+    assert [p.gpus for p in plans] == [("0", "1"), ("2", "3")]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1", "2,3"]
+    assert [p.nccl_port for p in plans] == [lightllm_backend.default_nccl_port(8001), lightllm_backend.default_nccl_port(8002)]
+    assert len({p.nccl_port for p in plans} | {p.port for p in plans}) == 4
+    for p in plans:
+        assert p.argv[p.argv.index("--nccl-port") + 1] == str(p.nccl_port) and p.argv[p.argv.index("--tp") + 1] == "2"
+    one = fleet.plan_engines(1, "lightllm", 8001, tp=1)
+    assert one[0].env == {}  # one engine keeps every visible GPU
+
+
+def test_impossible_plans_are_refused():
+    with pytest.raises(ValueError, match="need 4 GPUs; 3 visible"):
+        fleet.plan_engines(2, "lightllm", 8001, tp=2, gpus=["0", "1", "2"])
+    with pytest.raises(ValueError, match="at least 1"):
+        fleet.plan_engines(0, "cpu", 8001)
+    with pytest.raises(ValueError, match="out of range"):
+        fleet.plan_engines(3, "cpu", 65534)
+    with pytest.raises(ValueError, match="cpu or lightllm"):
+        fleet.plan_engines(2, "auto", 8001)
+
+
+def test_colliding_ports_are_refused(monkeypatch):
+    # whatever derivation of NCCL ports the launcher uses, the plan checks the result
+    monkeypatch.setattr(lightllm_backend, "default_nccl_port", lambda port: 29000)
+    with pytest.raises(ValueError, match="collide: \\[29000\\]"):
+        fleet.plan_engines(2, "lightllm", 8001, gpus=["0", "1"])
+
+
+def test_visible_gpus_follow_cuda_visible_devices():
+    assert fleet.visible_gpus({"CUDA_VISIBLE_DEVICES": "0, 2"}) == ["0", "2"]
+    assert fleet.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def _up(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "proxy", "up", *args], capture_output=True, text=True, env=ENV, timeout=60, cwd=REPO_ROOT)
+
+
+def test_up_refuses_a_bad_engine_count_at_once():
+    t0 = time.monotonic()
+    out = _up("--engines", "0", "--port", "1")
+    assert out.returncode == 2 and "at least 1" in out.stderr and time.monotonic() - t0 < 30
+
+
+@pytest.mark.skipif(SERVING_POOLS, reason="pools are served: the end-to-end test runs --engines 2")
+def test_up_with_several_engines_says_this_build_cannot_serve_them_before_starting_any():
+    t0 = time.monotonic()
+    out = _up("--engines", "2", "--backend", "cpu")
+    assert out.returncode == 2 and "--engines 2" in out.stderr and "issue #12" in out.stderr
+    assert "starting engine" not in out.stdout and time.monotonic() - t0 < 30

@@ -1,0 +1,397 @@
+"""The router's choice of engine and the health state machine, as pure objects with an
+injected clock: least headroom, saturation, affinity by rendezvous hashing, round robin,
+reservations, reroutes, reloads that drain, and ejection with backoff."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import yaml
+
+from proxy.config import parse_config
+from proxy.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
+from proxy.pool_config import HealthConfig, PoolSpec
+from proxy.router import NoEngineFits, PoolRouter, affinity_key, rendezvous_order
+from qos import Ticket
+from tests.conftest import base_config
+
+_seq = itertools.count(1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def ticket(tokens: int = 10) -> Ticket:
+    return Ticket(seq=next(_seq), user_id="u", group="g", prompt_tokens=tokens, max_output_tokens=0, enqueued_at=0, deadline=1)
+
+
+def pool(*engines: dict, routing: dict | None = None, health: dict | None = None, admission: dict | None = None) -> PoolSpec:
+    cfg = base_config("x")
+    del cfg["upstream"]["url"]
+    cfg["admission"].update(admission or {})
+    cfg["pools"] = [{"name": "p", "models": ["m"], "engines": list(engines), "routing": routing or {}, "health": health or {}}]
+    (spec,) = parse_config(yaml.safe_dump(cfg)).effective_pools()
+    return spec
+
+
+def eng(i: int, **kw) -> dict:
+    return {"url": f"http://10.0.0.{i}:8000", "name": f"e{i}", **kw}
+
+
+def router(*engines: dict, clock=None, rng=None, **kw) -> PoolRouter:
+    return PoolRouter(pool(*engines, **kw), clock=clock or Clock(), rng=rng or random.Random(7).random)
+
+
+def names(r: PoolRouter, picks) -> list[str]:
+    return [e.name for e in picks]
+
+
+# ------------------------------------------------------------ least headroom
+
+
+def test_the_engine_with_most_headroom_gets_the_request():
+    r = router(eng(1, max_inflight=4), eng(2, max_inflight=4))
+    a, b = r.engines.values()
+    held = [r.reserve(ticket()) for _ in range(3)]
+    # 3 requests on 2 equal engines: they alternate, never stack on one
+    assert sorted(names(r, held)) == ["e1", "e1", "e2"] or sorted(names(r, held)) == ["e1", "e2", "e2"]
+    assert abs(a.inflight - b.inflight) == 1
+    fuller = a if a.inflight > b.inflight else b
+    assert r.reserve(ticket()) is not fuller
+
+
+def test_a_big_engine_is_preferred_to_a_small_one_equally_loaded():
+    r = router(eng(1, max_inflight=2), eng(2, max_inflight=8))
+    small, big = r.engines.values()
+    small.inflight = 1
+    big.inflight = 4  # both half full: after placing, the big one is less full
+    assert r.choose(10) is big
+
+
+def test_tokens_and_load_lower_headroom():
+    r = router(eng(1, max_inflight=8, max_inflight_tokens=1000), eng(2, max_inflight=8, max_inflight_tokens=1000))
+    a, b = r.engines.values()
+    a.inflight, a.inflight_tokens = 1, 800  # few requests, but most of its KV budget
+    b.inflight, b.inflight_tokens = 3, 300
+    assert r.choose(100) is b
+    b.set_load(0.9)  # saturated_at 0.95: only 5 % of the cache left
+    assert r.choose(100) is a
+    assert a.headroom(100) == pytest.approx(0.1)
+    assert b.headroom(100) == pytest.approx(1 - 0.9 / 0.95)
+
+
+def test_a_request_over_the_token_budget_still_fits_an_idle_engine_only():
+    r = router(eng(1, max_inflight_tokens=100))
+    (a,) = r.engines.values()
+    big = ticket(500)
+    assert r.fits(big)  # nothing in flight: one request always fits, as before pools
+    r.reserve(big)
+    assert not r.fits(ticket(1))  # 500 + 1 > 100
+    r.release(big)
+    assert r.fits(ticket(1)) and a.inflight == 0 and a.inflight_tokens == 0
+
+
+def test_exact_ties_rotate_so_sequential_requests_spread():
+    r = router(eng(1), eng(2), eng(3))
+    seen = []
+    for _ in range(6):
+        t = ticket()
+        seen.append(r.reserve(t).name)
+        r.release(t)
+    assert seen == ["e1", "e2", "e3", "e1", "e2", "e3"]
+
+
+def test_the_single_upstream_pool_enforces_what_admission_did():
+    spec = parse_config(yaml.safe_dump(base_config("http://127.0.0.1:1", max_inflight=2, max_inflight_tokens=50))).effective_pools()[0]
+    r = PoolRouter(spec)
+    t1, t2, t3 = ticket(30), ticket(30), ticket(10)
+    assert r.fits(t1)
+    r.reserve(t1)
+    assert not r.fits(t2)  # 60 > 50 tokens
+    r.reserve(t3)
+    assert not r.fits(ticket(1))  # 2 in flight = max_inflight
+    assert r.capacity == 2 and r.inflight == 2
+
+
+# ---------------------------------------------------------------- saturation
+
+
+def test_saturated_full_ejected_or_draining_engines_get_nothing_while_another_fits():
+    r = router(eng(1, max_inflight=2), eng(2, max_inflight=2), eng(3, max_inflight=2), eng(4, max_inflight=2), eng(5, max_inflight=2))
+    sat, full, ejected, draining, spare = r.engines.values()
+    sat.set_load(0.97, saturated=True, capacity_limit=1)
+    full.inflight = 2
+    ejected.health.state = Health.EJECTED
+    ejected.health.ejected_until = 10**9
+    draining.draining = True
+    spare.inflight = 1  # half full, still the only one that may take it
+    assert [r.choose(10) for _ in range(3)] == [spare] * 3
+    spare.inflight = 2
+    # the saturated engine with nothing of ours in flight takes one: the queue never stalls
+    # behind an engine kept busy by others (as the single-engine load signal did)
+    assert r.choose(10) is sat
+    sat.inflight = 1
+    assert r.choose(10) is None and not r.fits(ticket())
+
+
+def test_affinity_never_overrides_saturation_or_fullness():
+    r = router(eng(1), eng(2), eng(3), routing={"affinity": {"session_header": "X-S", "tolerance": 1.0}})
+    key = "s\x00user-42"
+    first = r.choose(10, key)
+    assert all(r.choose(10, key) is first for _ in range(5))  # sticky
+    first.set_load(0.99, saturated=True, capacity_limit=1)
+    assert r.choose(10, key) is not first
+    first.set_load(None)
+    first.inflight = first.capacity
+    assert r.choose(10, key) is not first
+
+
+def test_affinity_tolerance_bounds_how_much_worse_the_preferred_engine_may_be():
+    r = router(eng(1, max_inflight=10), eng(2, max_inflight=10), routing={"affinity": {"prefix_chars": 64, "tolerance": 0.25}})
+    key = "p\x00You are a helpful assistant."
+    pref = r.choose(10, key)
+    other = next(e for e in r.engines.values() if e is not pref)
+    pref.inflight = 2  # headroom 0.7 vs 0.9: within 0.25
+    assert r.choose(10, key) is pref
+    pref.inflight = 5  # 0.4 vs 0.9: beyond, least headroom decides
+    assert r.choose(10, key) is other
+
+
+# ------------------------------------------------------------------ affinity
+
+
+def _owners(r: PoolRouter, keys: list[str]) -> dict[str, str]:
+    return {k: r.choose(1, k, commit=False).name for k in keys}
+
+
+def test_affinity_spreads_keys_and_a_new_engine_moves_only_its_share():
+    keys = [f"s\x00session-{i}" for i in range(2000)]
+    r4 = router(eng(1), eng(2), eng(3), eng(4), routing={"affinity": {"session_header": "X-S", "tolerance": 1.0}})
+    before = _owners(r4, keys)
+    counts = {n: list(before.values()).count(n) for n in ("e1", "e2", "e3", "e4")}
+    assert all(350 < c < 650 for c in counts.values()), counts  # 500 each, give or take
+    r5 = router(eng(1), eng(2), eng(3), eng(4), eng(5), routing={"affinity": {"session_header": "X-S", "tolerance": 1.0}})
+    after = _owners(r5, keys)
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "e5" for k in moved)  # nothing shuffles among the old engines
+    assert 250 < len(moved) < 550  # about 1/5 of 2000
+
+
+def test_affinity_weights_scale_an_engines_share_of_keys():
+    keys = [f"p\x00prefix {i}" for i in range(3000)]
+    r = router(eng(1, weight=3), eng(2), routing={"affinity": {"prefix_chars": 100, "tolerance": 1.0}})
+    share = list(_owners(r, keys).values()).count("e1") / len(keys)
+    assert 0.70 < share < 0.80  # 3 / (3 + 1)
+
+
+def test_rendezvous_order_is_a_stable_function_of_key_and_names():
+    r = router(eng(1), eng(2), eng(3))
+    es = list(r.engines.values())
+    assert rendezvous_order("k", es) == rendezvous_order("k", list(reversed(es)))
+    assert len({tuple(e.name for e in rendezvous_order(f"k{i}", es)) for i in range(100)}) > 3
+
+
+def test_affinity_key_prefers_the_session_and_cuts_the_prefix():
+    routing = pool(eng(1), routing={"affinity": {"session_header": "X-S", "prefix_chars": 5}}).routing
+    assert affinity_key(routing, "abc", "hello world") == "s\x00abc"
+    assert affinity_key(routing, "", "hello world") == "p\x00hello"
+    assert affinity_key(routing, None, None) is None
+    off = pool(eng(1)).routing
+    assert affinity_key(off, "abc", "hello") is None
+
+
+# ---------------------------------------------------------------- round robin
+
+
+def test_round_robin_follows_weights_among_engines_that_fit():
+    r = router(eng(1, weight=1), eng(2, weight=2), routing={"policy": "round_robin"})
+    picks = []
+    for _ in range(300):
+        t = ticket()
+        picks.append(r.reserve(t).name)
+        r.release(t)
+    assert picks.count("e1") == 100 and picks.count("e2") == 200
+    assert picks[:3] in (["e2", "e1", "e2"], ["e2", "e2", "e1"])  # smooth: interleaved, not 2 then 1 in blocks
+    a, b = r.engines.values()
+    b.inflight = b.capacity
+    assert all(r.choose(1) is a for _ in range(5))  # a full engine is skipped
+
+
+# ------------------------------------------------------------- reservations
+
+
+def test_reserve_release_and_reroute_keep_counts_exact():
+    r = router(eng(1, max_inflight=1), eng(2, max_inflight=1))
+    t1, t2, t3 = ticket(7), ticket(9), ticket(1)
+    e1 = r.reserve(t1)
+    with pytest.raises(ValueError):
+        r.reserve(t1)
+    e2 = r.reserve(t2)
+    assert {e1, e2} == set(r.engines.values())
+    with pytest.raises(NoEngineFits):
+        r.reserve(t3)
+    assert r.release(t1) is e1 and r.release(t1) is None  # a second release changes nothing
+    assert e1.inflight == 0 and e1.inflight_tokens == 0
+    # t2's connection failed before reaching e2: move it to e1
+    assert r.reroute(t2) is e1 and r.engine_of(t2) is e1
+    assert (e1.inflight, e1.inflight_tokens, e2.inflight, e2.inflight_tokens) == (1, 9, 0, 0)
+    # and if e1 fails too, there is no untried engine left
+    assert r.reroute(t2, exclude=[e2]) is None and r.engine_of(t2) is None
+    assert r.inflight == 0 and e1.routed == 2 and e2.routed == 1
+
+
+# ------------------------------------------------------------------- reloads
+
+
+def test_a_reload_adds_updates_and_drains_engines():
+    clock = Clock()
+    r = router(eng(1), eng(2), clock=clock)
+    e1, e2 = r.engines.values()
+    held = [r.reserve(ticket()) for _ in range(2)]
+    assert {e.name for e in held} == {"e1", "e2"}
+    left = []
+    r.on_engine_removed = left.append
+    ch = r.reconfigure(pool(eng(1, max_inflight=3), eng(3)))
+    assert ch.added == ("e3",) and ch.updated == ("e1",) and ch.draining == ("e2",) and ch.removed == ()
+    assert r.engines["e1"] is e1 and e1.spec.max_inflight == 3 and e1.routed == 1  # kept, history too
+    assert e2.draining and not e2.in_rotation
+    assert all(r.choose(1) is not e2 for _ in range(10))
+    t = next(t for t, (e, _) in r._placed.items() if e is e2)
+    r.release(t)
+    assert "e2" not in r.engines and left == [e2]
+    # an engine removed while idle leaves at once; one re-added while draining comes back
+    ch = r.reconfigure(pool(eng(1)))
+    assert ch.removed == ("e3",) and left[-1].name == "e3"
+
+
+def test_a_changed_url_starts_its_health_over():
+    r = router(eng(1, max_inflight=1))
+    (e,) = r.engines.values()
+    for _ in range(3):
+        r.report(e, False, "connect")
+    assert not e.in_rotation
+    ch = r.reconfigure(pool({"url": "http://10.0.0.9:8000", "name": "e1"}))
+    assert ch.reset == ("e1",) and e.in_rotation and e.health.ejections == 1
+
+
+# -------------------------------------------------------------------- health
+
+
+def health(clock: Clock, **kw) -> EngineHealth:
+    return EngineHealth(HealthConfig(**kw), "e", clock=clock, rng=lambda: 0.5)
+
+
+def test_consecutive_request_failures_eject_and_a_success_resets_the_count():
+    clock = Clock()
+    h = health(clock, failures_to_eject=3)
+    assert not h.record_request(False, "connect") and not h.record_request(False, "http_5xx")
+    h.record_request(True)  # a success (a 4xx too) in between
+    assert not h.record_request(False, "reset") and not h.record_request(False, "timeout")
+    assert h.record_request(False, "stream_cut") and h.state is Health.EJECTED
+    assert h.ejections == 1 and h.failures == {"connect": 1, "reset": 1, "timeout": 1, "http_5xx": 1, "stream_cut": 1}
+    assert not h.record_request(False, "reset")  # in-flight ones failing later: counted, no new ejection
+    assert h.ejections == 1 and h.failures["reset"] == 2
+    with pytest.raises(ValueError):
+        h.record_request(False, "whatever")
+    assert set(FAILURE_REASONS) == set(h.failures)
+
+
+def test_ejected_engines_are_probed_after_a_jittered_exponential_backoff():
+    clock = Clock()
+    h = health(clock, failures_to_eject=1, eject_base_s=2, eject_max_s=10)
+    h.record_request(False, "connect")
+    # rng 0.5: wait = b/2 + 0.5 * b/2 = 0.75 b
+    assert h.check_due_in() == pytest.approx(1.5)  # b = 2
+    clock.t += 1.5
+    h.record_check(False, "refused")  # probe failed: b = 4
+    assert h.state is Health.EJECTED and h.check_due_in() == pytest.approx(3.0)
+    clock.t += 3
+    h.record_check(False)  # b = 8
+    assert h.check_due_in() == pytest.approx(6.0)
+    clock.t += 6
+    h.record_check(False)  # b = min(10, 16)
+    assert h.check_due_in() == pytest.approx(7.5) and h.ejections == 1
+    clock.t += 7.5
+    h.record_check(True)
+    assert h.healthy and h.request_failures == 0 and h.ejected_until is None
+    # failing again soon after: a flapping engine keeps backing off
+    clock.t += 1
+    h.record_request(False, "connect")
+    assert h.streak == 5 and h.check_due_in() == pytest.approx(7.5)
+    clock.t += 7.5
+    h.record_check(True)
+    # long healthy afterwards: the next ejection starts over at the base wait
+    clock.t += 11
+    h.record_request(False, "connect")
+    assert h.streak == 1 and h.check_due_in() == pytest.approx(1.5) and h.ejections == 3
+
+
+def test_jitter_stays_within_half_to_full_backoff():
+    clock = Clock()
+    rng = random.Random(3)
+    for _ in range(200):
+        h = EngineHealth(HealthConfig(failures_to_eject=1, eject_base_s=4), "e", clock=clock, rng=rng.random)
+        h.record_request(False, "connect")
+        assert 2.0 <= h.check_due_in() <= 4.0
+
+
+def test_failed_checks_eject_apart_from_request_failures():
+    clock = Clock()
+    h = health(clock, failures_to_eject=3, checks_to_eject=2, check_interval_s=5)
+    assert h.check_due_in() == pytest.approx(5)
+    h.record_request(False, "http_5xx")
+    h.record_request(False, "http_5xx")
+    clock.t += 5
+    h.record_check(True)  # a passing check does not clear failing requests
+    assert h.request_failures == 2
+    assert h.record_request(False, "http_5xx")
+    h2 = health(clock, checks_to_eject=2, check_interval_s=5)
+    h2.record_check(False, "503")
+    h2.record_request(True)  # nor does a successful request clear failing checks
+    assert h2.healthy and h2.check_failures == 1 and h2.check_due_in() == pytest.approx(5)
+    h2.record_check(False, "503")
+    assert h2.state is Health.EJECTED and "503" in h2.last_error
+
+
+def test_no_periodic_check_when_the_interval_is_zero_but_ejected_engines_are_probed():
+    clock = Clock()
+    h = health(clock, check_interval_s=0, failures_to_eject=1)
+    assert h.check_due_in() is None
+    h.record_request(False, "connect")
+    assert h.check_due_in() is not None
+
+
+def test_on_change_fires_when_the_next_check_moves():
+    clock = Clock()
+    h = health(clock, failures_to_eject=1)
+    calls = []
+    h.on_change = lambda: calls.append(h.state)
+    h.record_request(False, "connect")
+    clock.t += 100
+    h.record_check(True)
+    assert calls == [Health.EJECTED, Health.HEALTHY]
+
+
+def test_no_engine_in_rotation_gives_retry_after_until_the_first_probe():
+    clock = Clock()
+    r = router(eng(1), eng(2), clock=clock, health={"failures_to_eject": 1, "eject_base_s": 8, "eject_max_s": 8}, rng=lambda: 0.0)
+    a, b = r.engines.values()
+    assert r.available
+    assert r.report(a, False, "connect") and r.report(b, False, "reset")
+    assert not r.available and not r.fits(ticket()) and r.capacity == 0
+    assert r.retry_after_s() == pytest.approx(4.0)  # b/2 with rng 0
+    clock.t += 3.5
+    assert r.retry_after_s() == 1.0
+
+
+def test_check_paths_by_kind():
+    assert check_path_for(HealthConfig(), "lightllm") == "/token_load"
+    assert check_path_for(HealthConfig(), "openai") == "/v1/models"
+    assert check_path_for(HealthConfig(check_path="/health"), "openai") == "/health"
