@@ -304,7 +304,7 @@ def responses_usage(body: bytes) -> ResponsesUsage:
 
 def sse_fields(event: bytes) -> tuple[str | None, bytes]:
     """The ``event:`` name (or ``None``) and the ``data:`` payload of one SSE event (its
-    lines, as :func:`proxy.relay.take_events` returns it): several ``data:`` lines join with
+    lines, as :func:`proxy.sse.split_events` returns it): several ``data:`` lines join with
     ``\\n``; one space after the colon is dropped; comments and other fields are ignored
     (WHATWG HTML, "Server-sent events", event stream interpretation)."""
     name: str | None = None

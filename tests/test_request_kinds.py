@@ -12,7 +12,7 @@ from aiohttp import web
 
 from bench.scripted_engine import make_app as scripted_engine
 from proxy.errors import responses_error_event
-from proxy.relay import take_events
+from proxy.sse import split_events as take_events
 from proxy.request_body import BadRequest
 from proxy.request_kinds import (
     MAX_EMBEDDING_INPUTS,
