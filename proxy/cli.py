@@ -1,8 +1,11 @@
 """The ``llm-qos`` command: ``proxy``, ``engine``, ``up``, ``check-config``.
 
 ``up`` runs the engine and the proxy as two separate processes (the proxy pointed at the
-engine), starts the proxy once the engine is ready, and on Ctrl-C / SIGTERM stops the
-proxy first (it drains) and then the engine.
+engine), starts the proxy once the engine is ready, and on Ctrl-C / SIGTERM / SIGHUP (the
+terminal hung up) stops the proxy first (it drains) and then the engine. Both run in
+sessions of their own, so signals reach them only through ``up``; under ``nohup`` (SIGHUP
+ignored) ``up`` keeps ignoring SIGHUP. To reload the proxy's config, edit the file (it is
+watched) or ``POST /admin/reload``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--engine-port", type=int, default=8001)
     up.add_argument("--backend", default="auto", choices=["auto", "cpu", "lightllm"])
     up.add_argument("--model", default=None, help="model folder for the engine")
+    up.add_argument("--crash-limit", default=None, help="engine: give up after this many crashes in a row (default 5)")
+    up.add_argument("--crash-window", default=None, help="engine: seconds ready before a crash no longer counts (default 60)")
+    up.add_argument("--nccl-port", default=None, help="lightllm: NCCL port (default: LightLLM takes a free one)")
 
     cc = sub.add_parser("check-config", help="validate a config file without starting anything")
     cc.add_argument("file")
@@ -94,11 +100,16 @@ async def _up(args: argparse.Namespace) -> int:
     engine_cmd = [sys.executable, "-m", "engine_server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(args.engine_port)]
     if args.model:
         engine_cmd += ["--model", args.model]
+    for flag, value in (("--crash-limit", args.crash_limit), ("--crash-window", args.crash_window), ("--nccl-port", args.nccl_port)):
+        if value is not None:
+            engine_cmd += [flag, value]  # the engine validates them
     proxy_cmd = [sys.executable, "-m", "proxy", "proxy", "--config", config, "--host", args.host, "--port", str(args.port), "--upstream", engine_url]
+
+    from engine_server.supervisor import stop_signals
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():  # SIGTERM, SIGINT, and SIGHUP unless nohup ignores it
         loop.add_signal_handler(sig, stop.set)
 
     print(f"llm-qos up: starting the engine ({' '.join(engine_cmd[1:])})", flush=True)
@@ -107,7 +118,11 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         ready = await _wait_line(engine, "engine ready", stop)
         if not ready:
-            return 1 if engine.returncode not in (None, 0) else 0
+            if stop.is_set():
+                return 0
+            code = await engine.wait()  # its stdout ended: it exited (or is about to)
+            print(f"llm-qos up: the engine exited with status {code} before it was ready", file=sys.stderr, flush=True)
+            return 1
         print(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {engine_url}", flush=True)
         proxy = await asyncio.create_subprocess_exec(*proxy_cmd, start_new_session=True)
         engine_exit = asyncio.create_task(engine.wait())
