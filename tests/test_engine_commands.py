@@ -149,7 +149,7 @@ def test_prepared_model_is_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 
 def test_failed_conversion_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def half_then_crash(_gguf: Path, out_dir: Path) -> None:
+    def half_then_crash(_gguf: Path, out_dir: Path, _steps: object) -> None:
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of writing the weights
 
