@@ -10,10 +10,13 @@ mention ``usage`` (OpenAI) or every event of LightLLM's native stream (which car
 
 Stream endings (``shared/interop/lightllm.md``, ``shared/interop/cpu-engine.md``):
 
-* OpenAI-style streams from transformers serve and LightLLM end without
-  ``data: [DONE]``; the relay appends it so OpenAI clients end cleanly.
+* OpenAI-style streams from transformers serve and LightLLM 0.0.1 end without
+  ``data: [DONE]``; the relay appends it so OpenAI clients end cleanly (LightLLM v1.2.0
+  sends its own, which is relayed and not repeated).
 * LightLLM's native stream ends with an event whose ``finished`` is true; a stream that
-  ends without one is an upstream failure, and the client gets a terminal error event.
+  ends without one is an upstream failure, and the client gets a terminal error event,
+  unless LightLLM sent its own (v1.2.0: ``data: {"error": {...}}`` for a request it cannot
+  run), which then is the last event.
 * A connection broken mid-stream also ends with a terminal error event.
 """
 
@@ -98,10 +101,13 @@ class SSEScanner:
         prompt_tokens: from a ``usage`` object, when one was seen.
         done: ``data: [DONE]`` was seen.
         finished: a native event with ``finished: true`` was seen.
+        error: a native event carrying ``error`` instead of a token was seen (LightLLM
+            v1.2.0 reports a request it cannot run, e.g. a prompt too long, this way after
+            the 200 headers of a stream, and then ends the stream).
         partial: bytes of an unterminated event are pending.
     """
 
-    __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished")
+    __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished", "error")
 
     def __init__(self, native: bool = False) -> None:
         self.native = native
@@ -110,6 +116,7 @@ class SSEScanner:
         self.prompt_tokens: int | None = None
         self.done = False
         self.finished = False
+        self.error = False
 
     @property
     def partial(self) -> bool:
@@ -171,6 +178,9 @@ class SSEScanner:
         if not isinstance(obj, dict):
             return
         token = obj.get("token")
+        if token is None and "error" in obj:  # not a token: the stream's error report
+            self.error = True
+            return
         count = token.get("count_output_tokens") if isinstance(token, dict) else None
         # one event per token; the engine's own running count wins when it is ahead
         self.tokens = max(self.tokens + 1, count) if _is_count(count) else self.tokens + 1
@@ -268,7 +278,10 @@ async def relay_stream(
         else:
             _take_counts(ex, scanner)
             pad = b"\n\n" if scanner.partial else b""
-            if native and not scanner.finished:
+            if native and not scanner.finished and scanner.error:  # the upstream's own error event ends it
+                ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, "native stream ended with an error event"
+                ending = pad
+            elif native and not scanner.finished:
                 ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, "native stream ended without finished:true"
                 ending = pad + sse_error_event("the upstream stream ended early", "upstream_stream_incomplete")
             else:
