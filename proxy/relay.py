@@ -8,7 +8,8 @@ one token) and to pick up ``usage`` when the upstream reports it; only events th
 mention ``usage`` (OpenAI) or every event of LightLLM's native stream (which carries
 ``count_output_tokens`` and ``finished``) are JSON-parsed.
 
-Stream endings (``shared/interop/lightllm.md``, ``shared/interop/cpu-engine.md``):
+Stream endings (LightLLM v1.2.0 ``api_lightllm.py``/``api_openai.py``, transformers 5.24
+``serve``; docs/deploy.md):
 
 * OpenAI-style streams from transformers serve and LightLLM 0.0.1 end without
   ``data: [DONE]``; the relay appends it so OpenAI clients end cleanly (LightLLM v1.2.0

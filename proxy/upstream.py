@@ -1,7 +1,8 @@
 """The upstream connection pool and how one request is opened on it.
 
 One pooled ``aiohttp.ClientSession`` per proxy process, keep-alive shorter than the
-engine's (LightLLM closes idle connections after 5 s, ``shared/interop/lightllm.md``).
+engine's (LightLLM v1.2.0's hypercorn closes idle connections after 10 s, 0.0.1's uvicorn
+after 5 s; docs/deploy.md).
 It keeps no cookies (an upstream's ``Set-Cookie`` must never be replayed on another
 user's request) and asks for no compression (bodies are relayed as bytes, unparsed).
 Aborting an upstream generation = closing its connection (``ClientResponse.close()``),

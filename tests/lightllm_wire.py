@@ -1,7 +1,7 @@
 """A LightLLM stand-in for tests: a real aiohttp server on a real socket that speaks
 LightLLM's HTTP wire format byte for byte, without a GPU.
 
-Two flavors, read from LightLLM's source (``shared/interop/lightllm.md``):
+Two flavors, read from LightLLM's source (summarised in docs/deploy.md, "LightLLM"):
 
 * ``"v1.2.0"`` (the default; the release our images pin, tag of 2026-08-10:
   ``lightllm/server/api_http.py``, ``api_lightllm.py``, ``api_openai.py``, ``api_errors.py``,
@@ -49,7 +49,8 @@ What it reproduces:
   never answers 429/503). Cancellation is LightLLM's: no abort endpoint; a request is
   dropped when its connection has closed, checked at each token and every
   ``disconnect_poll_s`` while none comes (LightLLM: 5 s). Every such drop is counted.
-* Idle keep-alive of 5 s, like uvicorn's default under LightLLM.
+* Idle keep-alive of 10 s and ``Server: hypercorn-h11`` (v1.2.0 runs hypercorn with
+  ``--keep-alive 10``); 5 s and ``Server: uvicorn`` for 0.0.1.
 
 Tokens: a prompt of ``c`` characters is ``c // 4 + 1`` tokens; token ``i`` of an answer has
 id ``1000 + i`` and text ``" w{i}"``, ``""`` (``i % 4 == 2``) or ``" é"`` (``i % 4 == 3``).
@@ -106,7 +107,9 @@ ALLOWED_PARAMETERS = frozenset(
         "input_penalty",
     }
 )
-SERVER_HEADER = "uvicorn"
+#: The ``Server`` header: LightLLM v1.2.0 serves with hypercorn (``--keep-alive 10``), 0.0.1 with uvicorn.
+SERVER_HEADERS = {"v1.2.0": "hypercorn-h11", "0.0.1": "uvicorn"}
+KEEPALIVE_S = {"v1.2.0": 10.0, "0.0.1": 5.0}
 MODEL_NAME = "wire-llama"
 
 
@@ -122,7 +125,8 @@ class WireConfig:
         dp: data-parallel ranks (v1.2.0 ``--dp``); above 1, ``/token_load`` answers lists.
         ttft_s, itl_s: default delay before the first token and between tokens.
         disconnect_poll_s: how often a request that gets no token checks its connection.
-        keepalive_timeout_s: idle keep-alive of the HTTP server.
+        keepalive_timeout_s: idle keep-alive of the HTTP server; None: the flavor's (v1.2.0's
+            hypercorn 10 s, 0.0.1's uvicorn 5 s).
     """
 
     flavor: str = "v1.2.0"
@@ -133,7 +137,7 @@ class WireConfig:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     disconnect_poll_s: float = 5.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float | None = None
 
 
 @dataclass
@@ -228,6 +232,12 @@ class WireEngine:
         """The v1.2.0 flavor."""
         return self.config.flavor == V1
 
+    @property
+    def keepalive_s(self) -> float:
+        """Idle keep-alive of the HTTP server, seconds."""
+        c = self.config
+        return c.keepalive_timeout_s if c.keepalive_timeout_s is not None else KEEPALIVE_S[c.flavor]
+
     # ----------------------------------------------------------- serialising
 
     def native_json(self, obj: Any) -> str:
@@ -240,7 +250,7 @@ class WireEngine:
     def json_response(obj: Any, status: int = 200) -> web.Response:
         """Starlette's ``JSONResponse``: compact JSON, ``application/json``."""
         body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-        return web.Response(status=status, body=body, headers={hdrs.CONTENT_TYPE: "application/json", hdrs.SERVER: SERVER_HEADER})
+        return web.Response(status=status, body=body, headers={hdrs.CONTENT_TYPE: "application/json"})
 
     def error(self, message: str, status: int = 417) -> web.Response:
         """0.0.1: ``{"message"}``; v1.2.0: ``api_errors.create_error_response``'s body."""
@@ -473,12 +483,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         logprobs = [_logprobs(i) for i in range(len(texts))]
         ret["logprobs"] = logprobs if n == 1 else [logprobs] * n
     engine.stats.completed += 1
-    return _BareResponse(body=engine.native_json(ret).encode(), headers={hdrs.SERVER: SERVER_HEADER})
+    return _BareResponse(body=engine.native_json(ret).encode())
 
 
 async def _event_stream(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(
-        status=200, headers={hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", hdrs.SERVER: SERVER_HEADER}
+        status=200, headers={hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8"}
     )
     resp.enable_chunked_encoding()
     await resp.prepare(request)
@@ -792,7 +802,7 @@ async def token_load(request: web.Request) -> web.Response:
         if "hang_s" in o:
             await asyncio.sleep(float(o["hang_s"]))
         if "status" in o:
-            return web.Response(status=int(o["status"]), text="Internal Server Error", headers={hdrs.SERVER: SERVER_HEADER})
+            return web.Response(status=int(o["status"]), text="Internal Server Error")
         if "current_load" in o or "dynamic_max_load" in o:
             return engine.json_response({k: o[k] for k in ("current_load", "logical_max_load", "dynamic_max_load") if k in o})
     return engine.json_response(engine.token_load())
@@ -819,7 +829,7 @@ async def metrics(request: web.Request) -> web.Response:
         "# HELP lightllm_request_success_total lightllm_request_success\n# TYPE lightllm_request_success_total counter\n"
         f"lightllm_request_success_total {float(s.completed)}\n"
     )
-    return _BareResponse(body=text.encode(), headers={hdrs.SERVER: SERVER_HEADER})
+    return _BareResponse(body=text.encode())
 
 
 async def wire_stats(request: web.Request) -> web.Response:
@@ -842,6 +852,12 @@ def make_app(config: WireConfig | None = None) -> web.Application:
     :class:`WireServer` does): LightLLM notices a closed connection by polling, not at once."""
     app = web.Application()
     app[ENGINE] = WireEngine(config or WireConfig())
+    server = SERVER_HEADERS[app[ENGINE].config.flavor]
+
+    async def server_header(_request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[hdrs.SERVER] = server
+
+    app.on_response_prepare.append(server_header)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -879,7 +895,7 @@ class WireServer:
             self.app,
             handler_cancellation=False,
             access_log=None,
-            keepalive_timeout=self.engine.config.keepalive_timeout_s,
+            keepalive_timeout=self.engine.keepalive_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port)
@@ -964,7 +980,7 @@ def main() -> None:
         host=a.host,
         port=a.port,
         handler_cancellation=False,
-        keepalive_timeout=cfg.keepalive_timeout_s,
+        keepalive_timeout=KEEPALIVE_S[cfg.flavor],
         access_log=None,
         print=lambda *_: print(f"lightllm wire stand-in ready on http://{a.host}:{a.port}", flush=True),
     )

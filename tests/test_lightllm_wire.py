@@ -89,6 +89,7 @@ async def test_v1_generate_is_compact_with_prompt_tokens_and_logprobs(wire):
     w = await wire()  # v1.2.0, the default
     status, headers, body = await raw_http(w.url, "POST", "/generate", {"inputs": "Hello there", "parameters": {"max_new_tokens": 2}})
     assert status == b"HTTP/1.1 200 OK" and "content-type" not in headers
+    assert headers["server"] == "hypercorn-h11"
     assert body == compact({"generated_text": [" w0 w1"], "count_output_tokens": 2, "finish_reason": "length",
                             "prompt_tokens": 3, "logprobs": [logprobs(0), logprobs(1)]})
 
