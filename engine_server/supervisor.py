@@ -198,7 +198,7 @@ class Supervisor:
             else:
                 log.warning("%s: exited with code %s after %.1f s ready", self.name, proc.returncode, ready_for)
             self._kill_group(proc.pid, signal.SIGKILL)  # stragglers of a dead leader
-            if ready_for >= self.policy.crash_window_s:  # it had been healthy: a fresh count
+            if self._ready_at is not None and ready_for >= self.policy.crash_window_s:  # it had been healthy
                 backoff = self.policy.initial_backoff_s
                 self.stats.crashes_in_a_row = 0
             self.stats.crashes_in_a_row += 1

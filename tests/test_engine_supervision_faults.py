@@ -110,6 +110,16 @@ def test_a_child_ready_for_the_window_starts_a_fresh_count(tmp_path):
     assert sup.stats.backoffs == [0.05, 0.05, 0.05]
 
 
+def test_a_zero_window_still_counts_crashes_before_readiness(tmp_path):
+    port = free_port()
+    env = _env(tmp_path, FAKE_ENGINE_CRASH_CODE="3")
+    argv = [env["LLM_QOS_LIGHTLLM_PYTHON"], "-m", "lightllm.server.api_server", "--port", str(port)]
+    policy = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=1.0, crash_limit=2, crash_window_s=0.0, grace_s=2)
+    sup = Supervisor(argv, env=env, probe=LightLLMProbe(f"http://127.0.0.1:{port}"), ready_timeout_s=30, policy=policy)
+    assert asyncio.run(asyncio.wait_for(sup.run(), 30)) == EXIT_GAVE_UP
+    assert sup.stats.starts == 2
+
+
 def test_engine_command_takes_the_crash_limit_and_window(tmp_path):
     t0 = time.monotonic()
     proc = _launcher(tmp_path, free_port(), "--crash-limit", "2", "--crash-window", "0.2",
