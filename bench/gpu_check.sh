@@ -13,6 +13,10 @@
 #   bash bench/gpu_check.sh            # on the GPU host (no package index): carry .whl
 #   bash bench/gpu_check.sh selftest   # here, no GPU: the same checks against tests/lightllm_wire.py
 #
+# This checks the PyPI release (0.0.1), which installs from wheels on a host without a package
+# index; the release the images pin (v1.2.0) needs its CUDA image (docs/deploy.md), and its
+# wire format is covered by tests/lightllm_wire.py's default flavor. The selftest runs the
+# stand-in as 0.0.1, to match.
 # Environment: LIGHTLLM_VERSION (0.0.1, the only PyPI release) or LIGHTLLM_WHEEL (a wheel
 # built from a LightLLM checkout, copied into .whl/ by fetch); OUT (results folder; the
 # device tool sets it); PYTHON (python3).
@@ -173,7 +177,7 @@ start_engine() {
 start_wire() {
   log "starting the LightLLM stand-in (tests/lightllm_wire.py) on port $ENGINE_PORT"
   setsid env PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
-    "$PY" -m tests.lightllm_wire --port "$ENGINE_PORT" --max-total-token-num 20000 --itl-s 0.004 \
+    "$PY" -m tests.lightllm_wire --flavor 0.0.1 --port "$ENGINE_PORT" --max-total-token-num 20000 --itl-s 0.004 \
     --disconnect-poll-s 0.2 >"$WORK/engine.log" 2>&1 &
   PIDS+=("$!")
   wait_for_line "$WORK/engine.log" "ready on" 30 "$!"

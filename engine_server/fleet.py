@@ -8,11 +8,10 @@ with that port, so each is supervised and reports readiness as a single engine d
   default caps, ``shared/interop/cpu-engine.md``); they share the converted model folder.
 * LightLLM backend: one instance per GPU group of ``tp`` GPUs. With more than one engine,
   engine ``i`` sees only GPUs ``i*tp .. i*tp+tp-1`` of the visible ones
-  (``CUDA_VISIBLE_DEVICES``), and gets its own NCCL port, explicitly, from
-  :func:`engine_server.lightllm_backend.default_nccl_port` of its HTTP port (LightLLM's
-  NCCL port also names a shared-memory segment: two instances need different ones,
-  ``shared/interop/lightllm.md``). Every HTTP and NCCL port of the plan is checked to be
-  distinct.
+  (``CUDA_VISIBLE_DEVICES``). NCCL ports: LightLLM v1.2.0 binds a free one itself when
+  given none (docs/deploy.md), so none is passed unless the operator names a base port
+  (``--nccl-port``), which engine ``i`` then gets plus ``i``. Every HTTP and NCCL port of
+  the plan is checked to be distinct.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import lightllm_backend
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,7 @@ def plan_engines(
     model: str | None = None,
     extra_args: list[str] | None = None,
     python: str | None = None,
+    nccl_port: int | None = None,
 ) -> list[EnginePlan]:
     """Plan ``n`` engines of ``backend`` (``cpu`` or ``lightllm``) from ``base_port`` up.
 
@@ -94,6 +93,10 @@ def plan_engines(
         model: ``--model`` for every engine, or ``None``.
         extra_args: appended to every engine's command.
         python: the interpreter (default this one).
+        nccl_port: LightLLM: engine ``i`` gets NCCL port ``nccl_port + i``; ``None``
+            (default) passes none, and each LightLLM v1.2.0 binds a free one itself
+            (its ``--nccl_port`` defaults to None there; 0.0.1 defaulted every
+            instance to 28765, so give older releases a base port).
 
     Raises:
         ValueError: ``n`` or ``tp`` below 1, an unknown backend, too few GPUs for
@@ -116,8 +119,10 @@ def plan_engines(
             argv += ["--model", model]
         nccl, group, env = None, (), {}
         if backend == "lightllm":
-            nccl = lightllm_backend.default_nccl_port(port)
-            argv += ["--tp", str(tp), "--nccl-port", str(nccl)]
+            argv += ["--tp", str(tp)]
+            if nccl_port is not None:
+                nccl = nccl_port + i
+                argv += ["--nccl-port", str(nccl)]
             if split:
                 group = tuple(gpus[i * tp : (i + 1) * tp])
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(group)}

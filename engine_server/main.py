@@ -6,17 +6,28 @@ Usage::
                             [--model PATH] [--tp N] [--max-total-token-num N] [--nccl-port P]
                             [--cb-num-blocks N] [--cb-max-batch-tokens N] [--cache-dir PATH]
                             [--ready-timeout S] [--grace S] [--cpu-temperature T]
+                            [--crash-limit N] [--crash-window S]
 
 ``auto`` picks LightLLM when an NVIDIA GPU and the ``lightllm`` package are present, else the
 CPU engine (``transformers serve`` on SmolLM2-135M-Instruct, converted once into
 ``--cache-dir``). When the engine answers a real generation, one line is printed on stdout::
 
-    engine ready at http://127.0.0.1:8001 (backend=cpu, model=/root/.cache/llm-qos/smollm2-135m-instruct)
+    engine ready at http://127.0.0.1:8001 (backend=cpu, model=smollm2-135m-instruct)
 
 (again after every restart). ``model=`` is the value to send in requests' ``model`` field.
 
-Exit status: 0 after SIGTERM/SIGINT (forwarded to the engine, SIGKILL after ``--grace``),
-2 bad usage / model missing, 3 crash loop, 4 not ready within ``--ready-timeout``.
+A crashed engine is restarted (backoff 1 s doubling to 30 s); after ``--crash-limit`` crashes
+in a row (default 5) the launcher gives up. A crash of an engine that had been ready for
+``--crash-window`` seconds (default 60) or longer starts a fresh count: up-time is counted from
+readiness, so an engine that always crashes while loading gives up however long a load takes.
+
+Signals: SIGTERM, SIGINT and SIGHUP stop the engine (SIGTERM to its process group, SIGINT for
+SIGINT; SIGKILL after ``--grace``) and then the launcher. The engine runs in a session of its
+own, so a terminal's hang-up reaches it only through the launcher; under ``nohup`` (SIGHUP
+ignored) the launcher keeps ignoring it, and both keep running.
+
+Exit status: 0 after a stop signal, 2 bad usage / model missing / busy NCCL port, 3 crash loop,
+4 not ready within ``--ready-timeout``.
 """
 
 from __future__ import annotations
@@ -55,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8001, help="engine listen port (default 8001)")
     p.add_argument("--model", type=Path, help="model folder (required for lightllm; cpu: skips the conversion)")
     p.add_argument("--tp", type=int, default=1, help="lightllm: tensor-parallel GPUs")
-    p.add_argument("--max-total-token-num", type=int, help="lightllm: KV cache budget in tokens")
-    p.add_argument("--nccl-port", type=int, help="lightllm: NCCL port (default 28765 + port %% 1000)")
+    p.add_argument("--max-total-token-num", type=int, default=0,
+                   help="lightllm: KV cache budget in tokens (default 0: LightLLM sizes it from free GPU memory)")
+    p.add_argument("--nccl-port", type=int, help="lightllm: NCCL port, checked free at start "
+                   "(default: LightLLM v1.2.0 takes a free port itself)")
     p.add_argument("--cb-num-blocks", type=int, default=64, help="cpu: KV cache blocks")
     p.add_argument("--cb-max-batch-tokens", type=int, default=512, help="cpu: tokens per batch step")
     p.add_argument("--cpu-temperature", type=float, default=0.0,
@@ -66,8 +79,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default $LLM_QOS_CACHE/smollm2-135m-instruct or ~/.cache/llm-qos/...)")
     p.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness (cpu 180, lightllm 1800)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    add_restart_arguments(p)
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def add_restart_arguments(p: argparse.ArgumentParser) -> None:
+    """``--crash-limit N`` and ``--crash-window S``: the restart policy's knobs, shared by
+    ``llm-qos engine`` and ``llm-qos up`` (see :class:`engine_server.supervisor.RestartPolicy`)."""
+    d = RestartPolicy()
+    p.add_argument("--crash-limit", type=_positive_int, default=d.crash_limit,
+                   help=f"give up after this many engine crashes in a row (default {d.crash_limit}; exit status 3)")
+    p.add_argument("--crash-window", type=_non_negative, default=d.crash_window_s,
+                   help="seconds an engine must have been ready before a crash no longer counts "
+                        f"towards --crash-limit (default {d.crash_window_s:g}; counted from readiness, not start)")
 
 
 def _run_loop(coro_factory: Callable[[], object]) -> int:
@@ -107,14 +146,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             log.error("--model is required with --backend lightllm")
             return EXIT_USAGE
+        if args.nccl_port is not None and not lightllm_backend.port_is_free(args.nccl_port):
+            log.error("--nccl-port %d is already in use; pick another, or leave it out and LightLLM "
+                      "takes a free one", args.nccl_port)
+            return EXIT_USAGE
         opts = lightllm_backend.LightLLMOptions(
             model_dir=args.model, host=args.host, port=args.port, tp=args.tp,
-            max_total_token_num=args.max_total_token_num, nccl_port=args.nccl_port,
+            max_total_token_num=args.max_total_token_num or None, nccl_port=args.nccl_port,
         )
-        argv_child = lightllm_backend.lightllm_command(opts)
+        try:
+            argv_child = lightllm_backend.lightllm_command(opts)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
         env = None
         workdir = None
-        model_name = str(Path(args.model).expanduser().absolute())
+        # what LightLLM's /v1/models lists (the folder's name; the chat routes echo any name)
+        model_name = Path(args.model).expanduser().absolute().name
         probe = readiness.LightLLMProbe(base_url)
 
     ready_timeout = args.ready_timeout or DEFAULT_READY_TIMEOUT_S[backend]
@@ -125,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     async def supervise() -> int:
         sup = Supervisor(
             argv_child, env=env, probe=probe, ready_timeout_s=ready_timeout,
-            policy=RestartPolicy(grace_s=args.grace), on_ready=on_ready, name=f"engine[{backend}]", cwd=workdir,
+            policy=RestartPolicy(grace_s=args.grace, crash_limit=args.crash_limit, crash_window_s=args.crash_window),
+            on_ready=on_ready, name=f"engine[{backend}]", cwd=workdir,
         )
         sup.install_signal_handlers()
         return await sup.run()

@@ -18,6 +18,9 @@ batching only on the first request. So each probe makes a real one-token generat
 until it passes, the deadline passes (:class:`TimeoutError`), the child exits
 (:class:`EngineExitedError`) or the engine answers a definite client error
 (:class:`ProbeRejectedError`: our probe or configuration is wrong, retrying cannot help).
+One attempt is bounded by ``attempt_timeout_s`` (60 s, doubled after each attempt that got
+no answer in time); an attempt that times out is retried: only the deadline ends readiness.
+While it waits, a line every 15 s says so (INFO on the ``engine_server.readiness`` logger).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from typing import Any, Protocol
 import aiohttp
 
 log = logging.getLogger(__name__)
+
+#: Seconds the first readiness attempt may take (doubled after each attempt that timed out).
+DEFAULT_ATTEMPT_TIMEOUT_S = 60.0
+#: Seconds between the "engine not ready yet" progress lines while waiting.
+PROGRESS_EVERY_S = 15.0
 
 #: HTTP statuses on which a probe keeps retrying (not ready yet / transient).
 RETRY_STATUSES = frozenset({404, 408, 425, 429, 500, 502, 503, 504})
@@ -122,26 +130,40 @@ class LightLLMProbe:
             raise ProbeRejectedError(f"/generate answered without generated_text: {answer!r:.300}")
 
 
-async def _attempts(probe: Probe, deadline: float, initial_delay_s: float, max_delay_s: float) -> None:
+async def _attempts(
+    probe: Probe, deadline: float, initial_delay_s: float, max_delay_s: float, attempt_timeout_s: float
+) -> None:
     delay = initial_delay_s
-    last: BaseException | None = None
+    limit = attempt_timeout_s
+    last: BaseException | str | None = None
     attempt = 0
-    # One session for all attempts; no keep-alive so a restarted engine is never hit on a stale socket.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+    began = time.monotonic()
+    next_report = began + PROGRESS_EVERY_S
+    # One session for all attempts; no keep-alive so a restarted engine is never hit on a stale
+    # socket; no timeout of aiohttp's own (its default of 300 s would end readiness early):
+    # each attempt is bounded below instead.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError(f"engine not ready in time (last error: {last})")
+            if now >= next_report:
+                log.info("engine not ready yet after %.0f s (%d attempts; last: %s)", now - began, attempt, last)
+                next_report = now + PROGRESS_EVERY_S
             attempt += 1
             try:
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(limit, remaining)):
                     await probe(session)
                 log.debug("readiness probe passed on attempt %d", attempt)
                 return
             except ProbeRejectedError:
                 raise
-            except TimeoutError as exc:
-                raise TimeoutError(f"engine not ready in time (probe attempt {attempt} hung)") from exc
+            except TimeoutError:  # ours or the probe's own: the engine may still be warming up
+                last = f"attempt {attempt} got no answer within {min(limit, remaining):.1f} s"
+                log.debug("readiness %s", last)
+                limit *= 2  # a first generation slower than the limit still gets its chance
             except (ProbeNotReady, aiohttp.ClientError, OSError) as exc:
                 last = exc
                 log.debug("readiness attempt %d: %s", attempt, exc)
@@ -157,6 +179,7 @@ async def wait_ready(
     *,
     initial_delay_s: float = 0.1,
     max_delay_s: float = 1.0,
+    attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
 ) -> None:
     """Retry ``probe`` until it passes.
 
@@ -166,6 +189,10 @@ async def wait_ready(
         exited: awaitable completing with the child's return code when it exits
             (e.g. a task of ``process.wait()``); it is not cancelled here.
         initial_delay_s, max_delay_s: backoff between attempts, seconds.
+        attempt_timeout_s: seconds one attempt may take; an attempt that gets no answer in
+            time (or raises :class:`TimeoutError` itself) is abandoned and retried, with
+            twice the limit, for as long as the deadline allows. Only the deadline ends
+            readiness.
 
     Raises:
         TimeoutError: not ready within ``deadline_s``.
@@ -173,7 +200,7 @@ async def wait_ready(
         ProbeRejectedError: the engine rejected the probe (HTTP 4xx other than retryable ones).
     """
     deadline = time.monotonic() + deadline_s
-    probing = asyncio.ensure_future(_attempts(probe, deadline, initial_delay_s, max_delay_s))
+    probing = asyncio.ensure_future(_attempts(probe, deadline, initial_delay_s, max_delay_s, attempt_timeout_s))
     if exited is None:
         await probing
         return

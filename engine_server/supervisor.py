@@ -8,14 +8,18 @@ Life cycle of :meth:`Supervisor.run`:
 2. wait for readiness (:func:`engine_server.readiness.wait_ready`), log "ready in N s" and call
    ``on_ready``;
 3. wait for either the child's exit or a stop request:
-   * stop request (SIGTERM/SIGINT via :meth:`Supervisor.install_signal_handlers`, or
-     :meth:`Supervisor.request_stop`): send the same signal to the child's process group, wait
-     up to ``grace_s``, then SIGKILL the group. ``run`` returns 0.
+   * stop request (SIGTERM/SIGINT/SIGHUP via :meth:`Supervisor.install_signal_handlers`, or
+     :meth:`Supervisor.request_stop`): send SIGTERM (SIGINT for SIGINT) to the child's process
+     group, wait up to ``grace_s``, then SIGKILL the group. ``run`` returns 0.
    * the child exits on its own (whatever its code, it is never supposed to): a crash. The
      process group is SIGKILLed to reap stragglers, then the child is restarted after a backoff
-     (1 s doubling to 30 s by default, reset once a child stayed up ``crash_window_s``), unless
-     ``crash_limit`` crashes happened within ``crash_window_s``: then it gives up and ``run``
-     returns :data:`EXIT_GAVE_UP`.
+     (1 s doubling to 30 s by default). A child that had been *ready* for ``crash_window_s``
+     or longer before it crashed was healthy: its crash starts a fresh count and the backoff
+     starts again at the initial delay. Otherwise (it crashed while loading, or soon after
+     it got ready) the crash adds to the count, and at ``crash_limit`` crashes in a row the
+     supervisor gives up and ``run`` returns :data:`EXIT_GAVE_UP`. Up-time is counted from
+     readiness, not from the start, so an engine that always crashes while loading gives up
+     however long one load takes.
    * not ready within ``ready_timeout_s``, or the probe is rejected: the child is stopped and
      ``run`` returns :data:`EXIT_NOT_READY` (restarting would not fix a model that is too slow
      to load or a wrong configuration).
@@ -31,7 +35,6 @@ import logging
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,15 @@ EXIT_GAVE_UP = 3  # crash loop
 EXIT_NOT_READY = 4  # readiness timeout / probe rejected
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a launcher: SIGTERM, SIGINT, and SIGHUP unless it is ignored
+    already (started under ``nohup``, which asks to outlive the terminal)."""
+    sigs = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        sigs.append(signal.SIGHUP)
+    return tuple(sigs)
+
+
 @dataclass
 class RestartPolicy:
     """Restart and shutdown knobs, in seconds.
@@ -52,10 +64,13 @@ class RestartPolicy:
     Attributes:
         initial_backoff_s: delay before the first restart after a crash.
         max_backoff_s: cap of the doubling backoff.
-        crash_limit: give up at this many crashes within ``crash_window_s``.
-        crash_window_s: sliding window for ``crash_limit``; a child that stayed up this long
-            also resets the backoff to ``initial_backoff_s``.
+        crash_limit: give up at this many crashes in a row (``crash_limit - 1`` restarts).
+        crash_window_s: a child that had been ready this long before it crashed counts as
+            healthy: its crash resets the count and the backoff. Counted from readiness.
         grace_s: time between the forwarded SIGTERM/SIGINT and SIGKILL.
+
+    Raises:
+        ValueError: ``crash_limit`` < 1, or a negative time.
     """
 
     initial_backoff_s: float = 1.0
@@ -64,16 +79,25 @@ class RestartPolicy:
     crash_window_s: float = 60.0
     grace_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        if self.crash_limit < 1:
+            raise ValueError(f"crash_limit must be at least 1, got {self.crash_limit}")
+        for name in ("initial_backoff_s", "max_backoff_s", "crash_window_s", "grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
 
 @dataclass
 class SupervisorStats:
     """What happened, for logs and tests: starts, exit codes of crashed children, backoffs
-    used (seconds), ready times (seconds from start to ready)."""
+    used (seconds), ready times (seconds from start to ready), and the crashes in a row
+    that count towards ``crash_limit`` now."""
 
     starts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     backoffs: list[float] = field(default_factory=list)
     ready_times: list[float] = field(default_factory=list)
+    crashes_in_a_row: int = 0
 
 
 class Supervisor:
@@ -121,21 +145,30 @@ class Supervisor:
         self.process: asyncio.subprocess.Process | None = None
         self._stop = asyncio.Event()
         self._stop_signal = signal.SIGTERM
-        self._crashes: deque[float] = deque()
+        self._ready_at: float | None = None  # clock() when the current child got ready
 
     # ----- control -----
 
     def request_stop(self, sig: int = signal.SIGTERM) -> None:
-        """Ask :meth:`run` to stop the child (with ``sig``, then SIGKILL after the grace) and return."""
+        """Ask :meth:`run` to stop the child and return.
+
+        The child's process group gets SIGINT when ``sig`` is SIGINT, else SIGTERM (a SIGHUP
+        to us is a hang-up of our terminal, not a reload: the engine, in its own session,
+        would never see it and live on as an orphan), then SIGKILL after the grace period.
+        """
         if not self._stop.is_set():
             log.info("%s: stop requested (%s)", self.name, signal.Signals(sig).name)
-            self._stop_signal = signal.Signals(sig)
+            self._stop_signal = signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM
             self._stop.set()
 
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Route SIGTERM and SIGINT of this process to :meth:`request_stop` (Unix only)."""
+        """Route SIGTERM, SIGINT and SIGHUP of this process to :meth:`request_stop` (Unix only).
+
+        SIGHUP is left alone when it is ignored already (``nohup``): whoever started us asked
+        to outlive the terminal, and that choice holds for the engine too.
+        """
         loop = loop or asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals():
             loop.add_signal_handler(sig, self.request_stop, sig)
 
     # ----- main loop -----
@@ -158,19 +191,21 @@ class Supervisor:
                 break
             # The child exited on its own: a crash.
             now = self.clock()
-            uptime = now - started
+            ready_for = 0.0 if self._ready_at is None else now - self._ready_at
             self.stats.exit_codes.append(proc.returncode)
-            log.warning("%s: exited with code %s after %.1f s", self.name, proc.returncode, uptime)
+            if self._ready_at is None:
+                log.warning("%s: exited with code %s after %.1f s, before it was ready", self.name, proc.returncode, now - started)
+            else:
+                log.warning("%s: exited with code %s after %.1f s ready", self.name, proc.returncode, ready_for)
             self._kill_group(proc.pid, signal.SIGKILL)  # stragglers of a dead leader
-            if uptime >= self.policy.crash_window_s:
+            if self._ready_at is not None and ready_for >= self.policy.crash_window_s:  # it had been healthy
                 backoff = self.policy.initial_backoff_s
-            self._crashes.append(now)
-            while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
-                self._crashes.popleft()
-            if len(self._crashes) >= self.policy.crash_limit:
+                self.stats.crashes_in_a_row = 0
+            self.stats.crashes_in_a_row += 1
+            if self.stats.crashes_in_a_row >= self.policy.crash_limit:
                 log.error(
-                    "%s: giving up: %d crashes within %.0f s",
-                    self.name, len(self._crashes), self.policy.crash_window_s,
+                    "%s: giving up after %d crashes in a row (none stayed ready for %.0f s)",
+                    self.name, self.stats.crashes_in_a_row, self.policy.crash_window_s,
                 )
                 return EXIT_GAVE_UP
             log.info("%s: restart in %.1f s", self.name, backoff)
@@ -185,6 +220,7 @@ class Supervisor:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.stats.starts += 1
+        self._ready_at = None
         log.info("%s: start #%d: %s", self.name, self.stats.starts, " ".join(self.argv))
         proc = await asyncio.create_subprocess_exec(
             *self.argv,
@@ -221,7 +257,8 @@ class Supervisor:
                     log.error("%s: not ready: %s", self.name, exc)
                     await self._terminate(proc, exited)
                     return EXIT_NOT_READY
-            took = self.clock() - started
+            self._ready_at = self.clock()
+            took = self._ready_at - started
             self.stats.ready_times.append(took)
             log.info("%s: ready in %.1f s", self.name, took)
             if self.on_ready is not None:

@@ -1,8 +1,11 @@
 """The ``llm-qos`` command: ``proxy``, ``engine``, ``up``, ``check-config``.
 
 ``up`` runs the engine and the proxy as two separate processes (the proxy pointed at the
-engine), starts the proxy once the engine is ready, and on Ctrl-C / SIGTERM stops the
-proxy first (it drains) and then the engine. ``up --engines N`` starts N engines
+engine), starts the proxy once the engine is ready, and on Ctrl-C / SIGTERM / SIGHUP (the
+terminal hung up) stops the proxy first (it drains) and then the engine. Both run in
+sessions of their own, so signals reach them only through ``up``; under ``nohup`` (SIGHUP
+ignored) ``up`` keeps ignoring SIGHUP. To reload the proxy's config, edit the file (it is
+watched) or ``POST /admin/reload``. ``up --engines N`` starts N engines
 (:mod:`engine_server.fleet`: ports ``--engine-port`` + i; one LightLLM per GPU group) and
 the proxy with one ``--upstream`` per engine, which makes one catch-all pool ``default``
 over them (:func:`proxy.config.with_upstream_urls`); the operator's config file stays the
@@ -52,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--tp", type=int, default=1, help="lightllm: GPUs per engine (--engines N needs N*tp GPUs)")
     up.add_argument("--backend", default="auto", choices=["auto", "cpu", "lightllm"])
     up.add_argument("--model", default=None, help="model folder for the engine")
+    up.add_argument("--crash-limit", default=None, help="engine: give up after this many crashes in a row (default 5)")
+    up.add_argument("--crash-window", default=None, help="engine: seconds ready before a crash no longer counts (default 60)")
+    up.add_argument("--nccl-port", default=None, help="lightllm: NCCL port (default: LightLLM takes a free one)")
 
     cc = sub.add_parser("check-config", help="validate a config file without starting anything")
     cc.add_argument("file")
@@ -125,9 +131,11 @@ async def _up(args: argparse.Namespace) -> int:
     for url in urls:
         proxy_cmd += ["--upstream", url]
 
+    from engine_server.supervisor import stop_signals
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():  # SIGTERM, SIGINT, and SIGHUP unless nohup ignores it
         loop.add_signal_handler(sig, stop.set)
 
     engines: list[asyncio.subprocess.Process] = []
@@ -150,7 +158,14 @@ async def _up(args: argparse.Namespace) -> int:
             rest = [await start(p) for p in plans[1:]]
             ready += await asyncio.gather(*(_wait_line(e, "engine ready", stop) for e in rest))
         if not all(ready):
-            return 1 if any(e.returncode not in (None, 0) for e in engines) else 0
+            if stop.is_set():
+                return 0
+            for plan, e, ok in zip(plans, engines, ready):
+                if not ok:
+                    code = await e.wait()  # its stdout ended: it exited (or is about to)
+                    what = "the engine" if len(plans) == 1 else f"engine {plan.index}"
+                    print(f"llm-qos up: {what} exited with status {code} before it was ready", file=sys.stderr, flush=True)
+            return 1
         print(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {', '.join(urls)}", flush=True)
         proxy = await asyncio.create_subprocess_exec(*proxy_cmd, start_new_session=True)
         waits = [asyncio.create_task(p.wait()) for p in (*engines, proxy)]
@@ -178,16 +193,25 @@ def _engine_plans(args: argparse.Namespace) -> list:
     """
     from engine_server.fleet import EnginePlan, plan_engines
 
+    supervision = []
+    for flag, value in (("--crash-limit", args.crash_limit), ("--crash-window", args.crash_window)):
+        if value is not None:
+            supervision += [flag, value]  # the engine validates them
+    nccl_port = int(args.nccl_port) if args.nccl_port is not None else None
     if args.engines == 1:
         argv = [sys.executable, "-m", "engine_server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(args.engine_port)]
         if args.model:
             argv += ["--model", args.model]
         if args.tp != 1:
             argv += ["--tp", str(args.tp)]
-        return [EnginePlan(0, "127.0.0.1", args.engine_port, argv)]
+        if nccl_port is not None:
+            argv += ["--nccl-port", str(nccl_port)]
+        return [EnginePlan(0, "127.0.0.1", args.engine_port, argv + supervision, nccl_port=nccl_port)]
     from engine_server.main import choose_backend
 
-    return plan_engines(args.engines, choose_backend(args.backend), args.engine_port, tp=args.tp, model=args.model)
+    return plan_engines(
+        args.engines, choose_backend(args.backend), args.engine_port, tp=args.tp, model=args.model, nccl_port=nccl_port, extra_args=supervision
+    )
 
 
 def _port_free(host: str, port: int) -> bool:

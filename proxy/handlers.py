@@ -233,12 +233,17 @@ def raw_query(request: web.Request) -> str:
 
 
 def _message_of(body: bytes) -> str:
+    """The message of a LightLLM error body: ``{"message"}`` (0.0.1) or ``{"error":
+    {"message"}}`` (v1.2.0, ``api_errors.create_error_response``); else the body's start."""
     try:
         obj = orjson.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-            return obj["message"]
     except orjson.JSONDecodeError:
-        pass
+        obj = None
+    if isinstance(obj, dict):
+        inner = obj.get("error")
+        for msg in (obj.get("message"), inner.get("message") if isinstance(inner, dict) else None):
+            if isinstance(msg, str):
+                return msg
     return body[:500].decode("utf-8", "replace") or "the upstream rejected the request"
 
 

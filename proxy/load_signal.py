@@ -7,7 +7,7 @@ the proxy dispatches nothing new and lets requests wait in *its* queue, where th
 scheduler orders them. One small ``GET`` per ``upstream.load_signal.interval_s`` (0.5 s by
 default) on a connection of its own; the task sleeps in between.
 
-Sources (``shared/interop/lightllm.md``):
+Sources (LightLLM v1.2.0 ``lightllm/server/api_http.py:token_load``; docs/deploy.md):
 
 * ``kind: lightllm``: ``GET /token_load`` -> ``{"current_load", "logical_max_load",
   "dynamic_max_load"}``, fractions of the KV token budget (lists, one per rank, with

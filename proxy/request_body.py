@@ -153,8 +153,10 @@ def parse_completion(raw: bytes) -> ParsedRequest:
 def parse_generate(raw: bytes, stream: bool) -> ParsedRequest:
     """Parse a LightLLM native ``/generate`` or ``/generate_stream`` body:
     ``{"inputs": str, "parameters": {"max_new_tokens": int, ...}}`` (``parameters`` is
-    required by LightLLM; ``max_new_tokens`` defaults to 16 there, see
-    ``shared/interop/lightllm.md``).
+    required by LightLLM). Without ``max_new_tokens`` the request names no limit, like an
+    OpenAI request without ``max_tokens``: LightLLM v1.2.0 then generates up to 65535 tokens,
+    cut to its length limit (0.0.1: 16), so a group's cap applies
+    (``core/objs/sampling_params.py``, ``httpserver/manager.py:_check_and_repair_length``).
 
     Raises:
         BadRequest: ``inputs`` not a string, ``parameters`` not an object,
@@ -171,7 +173,7 @@ def parse_generate(raw: bytes, stream: bool) -> ParsedRequest:
     return ParsedRequest(
         body=raw,
         stream=stream,
-        max_tokens=16 if max_new is None else max_new,
+        max_tokens=max_new,
         prompt_tokens=_text_tokens(len(inputs)),
         fields=obj,
     )

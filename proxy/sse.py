@@ -244,6 +244,11 @@ class SSEScanner:
         if not isinstance(obj, dict):
             return
         token = obj.get("token")
+        if token is None and (err := error_of(obj)) is not None:
+            # not a token: LightLLM v1.2.0 reports a request it cannot run (a prompt too
+            # long, say) as an error event after the 200 headers, then ends the stream
+            self.error = err
+            return
         count = token.get("count_output_tokens") if isinstance(token, dict) else None
         # one event per token; the engine's own running count wins when it is ahead
         self.tokens = max(self.tokens + 1, count) if _is_count(count) else self.tokens + 1

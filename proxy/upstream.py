@@ -15,7 +15,7 @@ connection that fails after that is answered 502 and never retried: a retry coul
 a second generation. What keeps a pooled connection from going stale under a request:
 aiohttp reuses only connections whose close it has not seen, and never one idle longer
 than ``upstream.keepalive_timeout_s``, which is kept below the engines' own idle timeout
-(uvicorn's 5 s: vLLM, SGLang, transformers serve; LightLLM's 5 s). A connect failure
+(uvicorn's 5 s: vLLM, SGLang, transformers serve, LightLLM 0.0.1; LightLLM v1.2.0's hypercorn: 10 s). A connect failure
 (nothing sent) is answered 502 at once: the engine is down, and retrying it at once
 rarely helps.
 """

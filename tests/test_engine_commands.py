@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine_server import cpu_backend, cpu_model, lightllm_backend, main
+from tests.proc_util import free_port
 
 
 def test_cpu_command_argv(tmp_path: Path) -> None:
@@ -65,21 +66,30 @@ def test_lightllm_command(tmp_path: Path) -> None:
     assert _opt(argv, "--tp") == "2"
     assert _opt(argv, "--max_total_token_num") == "120000"
     assert _opt(argv, "--tokenizer_mode") == "auto"
-    assert _opt(argv, "--nccl_port") == "28766"
+    assert "--nccl_port" not in argv
     assert argv[-2:] == ["--max_req_total_len", "4096"]
 
 
-def test_lightllm_nccl_ports_distinct_per_instance(tmp_path: Path) -> None:
-    ports = {
-        _opt(lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, port=p)), "--nccl_port")
-        for p in (8001, 8002, 8003)
-    }
-    assert len(ports) == 3
-    assert "28765" not in ports  # never LightLLM's own default, which a stray instance would use
+def test_lightllm_nccl_port_only_when_given(tmp_path: Path) -> None:
+    # LightLLM v1.2.0 takes a free NCCL port itself and names its shared memory after a random
+    # id, so instances on HTTP ports 8001 and 9001 (or 8000, once mapped onto its old default
+    # 28765) cannot collide: the launcher passes no port unless told to.
+    for port in (8000, 8001, 9001):
+        assert "--nccl_port" not in lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, port=port))
     explicit = lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, nccl_port=30000))
     assert _opt(explicit, "--nccl_port") == "30000"
     default_budget = lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path))
     assert "--max_total_token_num" not in default_budget
+
+
+def test_port_is_free(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert not lightllm_backend.port_is_free(busy.getsockname()[1])
+    assert lightllm_backend.port_is_free(free_port())
 
 
 def test_lightllm_command_rejects_bad_options(tmp_path: Path) -> None:
@@ -87,6 +97,8 @@ def test_lightllm_command_rejects_bad_options(tmp_path: Path) -> None:
         lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, tp=0))
     with pytest.raises(ValueError):
         lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, port=28766, nccl_port=28766))
+    with pytest.raises(ValueError):
+        lightllm_backend.lightllm_command(lightllm_backend.LightLLMOptions(tmp_path, max_total_token_num=-5))
 
 
 def test_auto_backend_on_this_machine() -> None:
@@ -137,7 +149,7 @@ def test_prepared_model_is_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 
 def test_failed_conversion_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def half_then_crash(_gguf: Path, out_dir: Path) -> None:
+    def half_then_crash(_gguf: Path, out_dir: Path, _steps: object) -> None:
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of writing the weights
 

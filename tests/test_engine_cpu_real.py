@@ -81,3 +81,69 @@ def test_cpu_engine_answers_and_stops_within_grace() -> None:
         took = time.monotonic() - started
     assert code == 0
     assert took < DEFAULT_GRACE_S
+
+
+@pytest.mark.engine
+def test_first_preparation_shows_each_step_as_it_goes(tmp_path) -> None:
+    """The one-time model preparation (what the first ``make up`` does) is not silent: a line
+    per step, in order, as each starts, the weights' progress bar, and the total at the end."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.proc_util import die_with_parent
+    from tests.proxy_process import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "engine_server", "--backend", "cpu", "--port", str(free_port()),
+           "--cache-dir", str(tmp_path / "model")]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=die_with_parent)
+    seen: list[tuple[float, str]] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 300
+        buf = b""
+        while time.monotonic() < deadline:
+            chunk = proc.stderr.read1(4096)  # type: ignore[attr-defined]
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = re.split(rb"[\r\n]", buf)
+            seen += [(time.monotonic(), ln.decode(errors="replace")) for ln in lines if ln.strip()]
+            if any("CPU model prepared at" in text for _, text in seen):
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = [t for _, t in seen]
+    assert any("preparing the CPU model, once" in t for t in text), text[-20:]
+    steps = [(at, t) for at, t in seen if re.search(r"step [1-4]/4: ", t)]
+    assert [re.search(r"step ([1-4])/4", t).group(1) for _, t in steps] == ["1", "2", "3", "4"], text[-40:]
+    assert any("de-quantizing GGUF tensors" in t and "%" in t for t in text), "no per-tensor progress shown"
+    assert any("CPU model prepared at" in t for t in text)
+    # the lines came out as the steps happened, not all at the end
+    prepared_at = next(at for at, t in seen if "CPU model prepared at" in t)
+    assert prepared_at - steps[0][0] > 1.0
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_progress_lines_while_a_step_runs(caplog) -> None:
+    import logging
+
+    from engine_server.cpu_model import Steps
+
+    logger = logging.getLogger("test.steps")
+    with caplog.at_level(logging.INFO, logger="test.steps"):
+        with Steps(2, every_s=0.1, logger=logger) as steps:
+            steps.step("first")
+            time.sleep(0.45)
+            steps.step("second")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "step 1/2: first"
+    assert sum(1 for ln in lines[1:lines.index("step 2/2: second")] if ln.startswith("still at step 1/2")) >= 2

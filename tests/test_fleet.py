@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine_server import fleet, lightllm_backend
+from engine_server import fleet
 from proxy.pool_config import SERVING_POOLS
 from tests.test_cli import ENV, REPO_ROOT
 
@@ -23,16 +23,23 @@ def test_cpu_engines_get_consecutive_ports_and_their_own_commands():
         assert p.env == {} and p.nccl_port is None and "--nccl-port" not in p.argv
 
 
-def test_lightllm_engines_split_the_gpus_and_get_distinct_nccl_ports():
+def test_lightllm_engines_split_the_gpus_and_leave_nccl_ports_to_lightllm():
     plans = fleet.plan_engines(2, "lightllm", 8001, tp=2, gpus=["0", "1", "2", "3"], model="/models/llama")
     assert [p.gpus for p in plans] == [("0", "1"), ("2", "3")]
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1", "2,3"]
-    assert [p.nccl_port for p in plans] == [lightllm_backend.default_nccl_port(8001), lightllm_backend.default_nccl_port(8002)]
-    assert len({p.nccl_port for p in plans} | {p.port for p in plans}) == 4
+    # LightLLM v1.2.0 binds a free NCCL port of its own when given none
+    assert [p.nccl_port for p in plans] == [None, None]
     for p in plans:
-        assert p.argv[p.argv.index("--nccl-port") + 1] == str(p.nccl_port) and p.argv[p.argv.index("--tp") + 1] == "2"
+        assert "--nccl-port" not in p.argv and p.argv[p.argv.index("--tp") + 1] == "2"
     one = fleet.plan_engines(1, "lightllm", 8001, tp=1)
     assert one[0].env == {}  # one engine keeps every visible GPU
+
+
+def test_an_explicit_nccl_base_port_gives_each_engine_its_own():
+    plans = fleet.plan_engines(2, "lightllm", 8001, gpus=["0", "1"], nccl_port=29500)
+    assert [p.nccl_port for p in plans] == [29500, 29501]
+    for p in plans:
+        assert p.argv[p.argv.index("--nccl-port") + 1] == str(p.nccl_port)
 
 
 def test_impossible_plans_are_refused():
@@ -46,11 +53,10 @@ def test_impossible_plans_are_refused():
         fleet.plan_engines(2, "auto", 8001)
 
 
-def test_colliding_ports_are_refused(monkeypatch):
-    # whatever derivation of NCCL ports the launcher uses, the plan checks the result
-    monkeypatch.setattr(lightllm_backend, "default_nccl_port", lambda port: 29000)
-    with pytest.raises(ValueError, match="collide: \\[29000\\]"):
-        fleet.plan_engines(2, "lightllm", 8001, gpus=["0", "1"])
+def test_colliding_ports_are_refused():
+    # an NCCL port equal to another engine's HTTP port
+    with pytest.raises(ValueError, match="collide: \\[8002\\]"):
+        fleet.plan_engines(2, "lightllm", 8001, gpus=["0", "1"], nccl_port=8002)
 
 
 def test_visible_gpus_follow_cuda_visible_devices():

@@ -351,7 +351,7 @@ async def test_reported_saturation_holds_new_requests_in_the_proxy(proxied, ligh
         for t in tasks:
             r = await t
             assert r.status == 200
-            assert (await r.read()).count(b'"finished": true') == 1
+            assert (await r.read()).count(b'"finished":true') == 1
     assert lightllm.stats.completed == 4
 
 
@@ -388,3 +388,55 @@ async def test_real_token_load_keeps_lightllm_own_queue_empty(proxied, lightllm)
             await r.read()
     assert lightllm.stats.completed == 7
     assert lightllm.stats.had_to_wait == 0  # nothing ever queued inside LightLLM
+
+
+@pytest.fixture(scope="module")
+def lightllm_dp():
+    """LightLLM v1.2.0 with ``--dp 2``: ``/token_load`` answers a list per rank."""
+    with WireThread(WireConfig(dp=2, max_total_token_num=400, max_req_total_len=200, disconnect_poll_s=0.1)) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def proxied_dp(lightllm_dp, tmp_path_factory):
+    cfg = {
+        "upstream": {"url": lightllm_dp.url, "kind": "lightllm", "load_signal": {"interval_s": 0.1, "stale_after_s": 1.0, "saturated_at": 0.8}},
+        "admission": {"max_inflight": 16, "max_queue": 50, "queue_timeout_s": 30},
+        "default_group": "g",
+        "groups": [{"name": "g"}],
+    }
+    path = tmp_path_factory.mktemp("load-dp") / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = start_proxy(path, port)
+    yield f"http://127.0.0.1:{port}"
+    assert stop_proxy(proc) == 0
+
+
+async def test_data_parallel_token_load_saturates_only_when_every_rank_is_full(proxied_dp, lightllm_dp):
+    lightllm_dp.set_token_load({"current_load": [0.99, 0.1], "logical_max_load": [0.99, 0.1], "dynamic_max_load": [0.99, 0.1]})
+    await until_gauge(proxied_dp, "llm_qos_upstream_load", 0.1)  # one rank has room: the engine takes work
+    assert await gauge(proxied_dp, "llm_qos_upstream_saturated") == 0.0
+    lightllm_dp.set_token_load({"current_load": [0.99, 0.9], "logical_max_load": [0.99, 0.95], "dynamic_max_load": [0.99, 0.95]})
+    await until_gauge(proxied_dp, "llm_qos_upstream_saturated", 1.0)
+    assert await gauge(proxied_dp, "llm_qos_upstream_load") == 0.95
+    lightllm_dp.set_token_load(None)
+
+
+async def test_data_parallel_real_load_keeps_lightllm_own_queue_empty(proxied_dp, lightllm_dp):
+    """Eight requests fill 82% of both ranks' KV budgets; the next three wait in the proxy."""
+    lightllm_dp.set_token_load(None)
+    lightllm_dp.reset()
+    await until_gauge(proxied_dp, "llm_qos_upstream_load", 0.0)
+    async with aiohttp.ClientSession() as s:
+        first = [asyncio.create_task(s.post(proxied_dp + "/generate", json=gen(40))) for _ in range(8)]
+        await wait_until(lambda: lightllm_dp.stats.running == 8, what="eight running")
+        await until_gauge(proxied_dp, "llm_qos_upstream_saturated", 1.0)
+        later = [asyncio.create_task(s.post(proxied_dp + "/generate", json=gen(40))) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert lightllm_dp.stats.started == 8  # held in the proxy
+        for t in first + later:
+            r = await t
+            assert r.status == 200
+            await r.read()
+    assert lightllm_dp.stats.completed == 11 and lightllm_dp.stats.had_to_wait == 0

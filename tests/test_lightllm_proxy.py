@@ -1,7 +1,8 @@
-"""The real proxy process in front of the LightLLM stand-in (``upstream.kind: lightllm``):
-native routes through identity and admission, LightLLM's streams relayed and ended
-properly, its 417s turned into 400s, its tokens accounted, and client disconnects turned
-into LightLLM aborts."""
+"""The real proxy process in front of the LightLLM stand-in (``upstream.kind: lightllm``),
+as LightLLM v1.2.0 (the pinned release) and, where it differs, 0.0.1: native routes through
+identity and admission, LightLLM's streams relayed and ended properly, its 417s turned into
+400s (its own 400s relayed), its tokens accounted, group caps applied to native requests
+that name no limit, and client disconnects turned into LightLLM aborts."""
 
 from __future__ import annotations
 
@@ -26,17 +27,25 @@ GROUPS = [
 
 @pytest.fixture(scope="module")
 def wire():
+    """LightLLM v1.2.0."""
     with WireThread(WireConfig(disconnect_poll_s=0.1)) as w:
         yield w
 
 
-def _proxy(wire: WireThread, tmp_path_factory, name: str, **sections):
+@pytest.fixture(scope="module")
+def old_wire():
+    """LightLLM 0.0.1, for operators who run it themselves."""
+    with WireThread(WireConfig(flavor="0.0.1", disconnect_poll_s=0.1)) as w:
+        yield w
+
+
+def _proxy(wire: WireThread, tmp_path_factory, name: str, groups=GROUPS, **sections):
     cfg = {
         "upstream": {"url": wire.url, "kind": "lightllm", **sections.pop("upstream", {})},
         "admission": {"max_inflight": 4, "max_queue": 50, "queue_timeout_s": 20, **sections.pop("admission", {})},
         "identity": sections.pop("identity", {"header": "X-User-Id"}),
         "default_group": "bronze",
-        "groups": GROUPS,
+        "groups": groups,
     }
     path = tmp_path_factory.mktemp(name) / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -54,6 +63,23 @@ def proxy(wire, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def old_proxy(old_wire, tmp_path_factory):
+    """In front of LightLLM 0.0.1, no load signal."""
+    proc, url = _proxy(old_wire, tmp_path_factory, "old", upstream={"load_signal": {"enabled": False}})
+    yield url
+    assert stop_proxy(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def capped_proxy(wire, tmp_path_factory):
+    """bronze's requests capped at 40 output tokens."""
+    groups = [GROUPS[0], {**GROUPS[1], "max_tokens": 40}]
+    proc, url = _proxy(wire, tmp_path_factory, "capped", groups=groups, upstream={"load_signal": {"enabled": False}})
+    yield url
+    assert stop_proxy(proc) == 0
+
+
+@pytest.fixture(scope="module")
 def strict_proxy(wire, tmp_path_factory):
     """One slot, a queue of 2, API keys required."""
     proc, url = _proxy(
@@ -64,8 +90,9 @@ def strict_proxy(wire, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_wire(wire):
+def _fresh_wire(wire, old_wire):
     wire.reset()
+    old_wire.reset()
 
 
 async def scrape(url: str) -> dict:
@@ -85,10 +112,18 @@ def gen(n: int, prompt: str = "Hello there", **wire) -> dict:
     return body
 
 
-def native_event(i: int, last: bool, reason: str = "length") -> bytes:
-    token = {"id": 1000 + i, "text": token_text(i), "logprob": -0.5, "special": False, "count_output_tokens": i + 1}
-    ev = {"token": token, "generated_text": None, "finished": last, "finish_reason": reason if last else None, "details": None}
-    return b"data:" + json.dumps(ev, ensure_ascii=False).encode() + b"\n\n"
+def compact(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def native_event(i: int, last: bool, reason: str = "length", prompt_tokens: int = 3) -> bytes:
+    """LightLLM v1.2.0's event for token ``i``."""
+    token = {"id": 1000 + i, "text": token_text(i), "logprob": -0.5, "special": False, "count_output_tokens": i + 1,
+             "prompt_tokens": prompt_tokens,
+             "logprobs": {str(1000 + i): {"logprob": -0.5, "rank": None, "decoded_token": token_text(i)}}}
+    ev = {"token": token, "generated_text": None, "finished": last, "finish_reason": reason if last else None, "details": None,
+          "input_usage": None}
+    return b"data:" + compact(ev) + b"\n\n"
 
 
 def error_event(raw: bytes) -> dict:
@@ -106,15 +141,27 @@ async def test_native_generate_is_relayed_as_json_and_accounted(proxy, wire):
         assert r.status == 200
         assert r.headers["Content-Type"] == "application/json"  # LightLLM sent none
         body = await r.read()
-    assert body == json.dumps(
-        {"generated_text": ["".join(token_text(i) for i in range(5))], "count_output_tokens": 5, "finish_reason": "length"},
-        ensure_ascii=False,
-    ).encode()
+    answer = json.loads(body)
+    assert answer["generated_text"] == ["".join(token_text(i) for i in range(5))]
+    assert (answer["count_output_tokens"], answer["prompt_tokens"], len(answer["logprobs"])) == (5, 3, 5)
     after = await scrape(proxy)
     assert metric(after, "llm_qos_tokens_total", group="bronze", direction="completion") - metric(
         before, "llm_qos_tokens_total", group="bronze", direction="completion"
     ) == 5
     assert metric(after, "llm_qos_requests_total", group="bronze", outcome="ok") == metric(before, "llm_qos_requests_total", group="bronze", outcome="ok") + 1
+    prompt = lambda m: metric(m, "llm_qos_tokens_total", group="bronze", direction="prompt")  # noqa: E731
+    assert prompt(after) - prompt(before) == 3  # LightLLM's own count
+
+
+async def test_native_request_naming_no_limit_gets_the_group_cap(capped_proxy, wire):
+    """LightLLM v1.2.0 generates up to 65535 tokens (cut to its length limit) when
+    ``max_new_tokens`` is left out: the proxy must treat that as "no limit" and apply the cap."""
+    body = {"inputs": "Hello there", "parameters": {}}
+    async with aiohttp.ClientSession() as s, s.post(capped_proxy + "/generate", json=body) as r:
+        assert r.status == 200
+        assert (await r.json())["count_output_tokens"] == 40
+    async with aiohttp.ClientSession() as s, s.post(wire.url + "/generate", json=body) as r:
+        assert json.loads(await r.read())["count_output_tokens"] > 40  # what the engine does uncapped (no Content-Type)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -153,37 +200,68 @@ async def test_native_stream_without_its_final_event_ends_in_an_error_event(prox
     ) == n
 
 
-async def test_overlong_prompt_on_a_native_stream_is_an_upstream_failure(proxy, wire):
-    async with aiohttp.ClientSession() as s, s.post(proxy + "/generate_stream", json=gen(4, prompt="z" * 9000)) as r:
+async def test_overlong_prompt_on_a_native_stream_ends_with_lightllms_error_event(proxy, wire):
+    """v1.2.0 reports it after the headers as one error event and a clean end: relayed as
+    the stream's last event (no second error event), counted as an upstream error, charged nothing."""
+    before = await scrape(proxy)
+    async with aiohttp.ClientSession() as s, s.post(proxy + "/generate_stream", json=gen(4, prompt="z" * 20000)) as r:
         assert r.status == 200  # LightLLM had sent its headers
         raw = await r.read()
-    assert raw.count(b"data:") == 1 and error_event(raw)["code"] == "upstream_stream_broken"
+    assert raw.count(b"data:") == 1 and error_event(raw)["type"] == "invalid_request_error"
     assert wire.stats.failed == 1
+    after = await scrape(proxy)
+    errors = lambda m: metric(m, "llm_qos_requests_total", group="bronze", outcome="upstream_error")  # noqa: E731
+    assert errors(after) == errors(before) + 1
+    for direction in ("prompt", "completion"):
+        key = dict(group="bronze", direction=direction)
+        assert metric(after, "llm_qos_tokens_total", **key) == metric(before, "llm_qos_tokens_total", **key)
+
+
+async def test_0_0_1_overlong_prompt_on_a_native_stream_is_an_upstream_failure(old_proxy, old_wire):
+    async with aiohttp.ClientSession() as s, s.post(old_proxy + "/generate_stream", json=gen(4, prompt="z" * 9000)) as r:
+        assert r.status == 200  # LightLLM had sent its headers, then dropped the connection
+        raw = await r.read()
+    assert raw.count(b"data:") == 1 and error_event(raw)["code"] == "upstream_stream_broken"
+    assert old_wire.stats.failed == 1
 
 
 # --------------------------------------------------------------- OpenAI routes
 
 
-@pytest.mark.parametrize("flavor", ["main", "0.0.1"])
-async def test_openai_chat_stream_gets_done_only_when_it_finished(proxy, wire, flavor):
-    """LightLLM's chat stream ends without [DONE]: main sets finish_reason on its last
-    chunk (a finished stream: [DONE] is appended); 0.0.1 leaves it null, so its end
-    cannot be told from a cut-off stream: it gets a terminal error event."""
-    wire.config.flavor = flavor
-    try:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
-        async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/chat/completions", json=body) as r:
-            assert r.status == 200
-            raw = await r.read()
-    finally:
-        wire.config.flavor = "0.0.1"
+async def test_openai_chat_stream_keeps_lightllms_done_and_counts_its_usage(proxy, wire):
+    before = await scrape(proxy)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        raw = await r.read()
     events = raw.split(b"\n\n")
-    chunks = [json.loads(e[6:]) for e in events[:4]]
+    assert events[-2:] == [b"data: [DONE]", b""] and raw.count(b"[DONE]") == 1  # v1.2.0 sends it: not repeated
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "".join(token_text(i) for i in range(4))
+    after = await scrape(proxy)
+    key = dict(group="bronze", direction="completion")
+    assert metric(after, "llm_qos_tokens_total", **key) - metric(before, "llm_qos_tokens_total", **key) == 4  # from usage
+
+
+async def test_0_0_1_openai_chat_stream_ends_with_an_incomplete_error(old_proxy, old_wire):
+    """LightLLM 0.0.1's chat stream leaves finish_reason null and sends no [DONE]: its end
+    cannot be told from a cut-off stream, so it gets a terminal error event, not [DONE]."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(old_proxy + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        raw = await r.read()
+    events = raw.split(b"\n\n")
+    assert b"[DONE]" not in raw and json.loads(events[-2][6:])["error"]["code"] == "upstream_stream_incomplete" and events[-1] == b""
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == [token_text(i) for i in range(4)]
-    if flavor == "main":
-        assert events[4:] == [b"data: [DONE]", b""] and raw.count(b"[DONE]") == 1
-    else:
-        assert b"[DONE]" not in raw and json.loads(events[4][6:])["error"]["code"] == "upstream_stream_incomplete" and events[5:] == [b""]
+
+
+async def test_openai_completions_route_is_relayed(proxy, wire):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1
 
 
 async def test_openai_chat_usage_is_accounted(proxy, wire):
@@ -192,11 +270,44 @@ async def test_openai_chat_usage_is_accounted(proxy, wire):
     async with aiohttp.ClientSession() as s, s.post(proxy + "/v1/chat/completions", json=body) as r:
         assert r.status == 200
         answer = await r.json()
-    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
     after = await scrape(proxy)
     for direction, n in (("prompt", 5), ("completion", 7)):
         key = dict(group="bronze", direction=direction)
         assert metric(after, "llm_qos_tokens_total", **key) - metric(before, "llm_qos_tokens_total", **key) == n
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 3, "do_sample": True, "top_k": "2"}}, "'<' not supported between instances of 'str' and 'int'"),
+        ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 3, "best_of": 2}}, "stream api only support best_of == 1"),
+    ],
+)
+async def test_lightllm_417_becomes_an_openai_style_400(proxy, wire, path, body, message):
+    async with aiohttp.ClientSession() as s, s.post(proxy + path, json=body) as r:
+        assert r.status == 400
+        assert r.headers["Content-Type"].startswith("application/json")
+        err = (await r.json())["error"]
+    assert err == {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_request"}
+    assert wire.stats.rejected == 1
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 3, "repetition_penalty": 0.5}}, "repetition_penalty must >= 1.0, got 0.5"),
+        ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 3, "top_k": 0, "do_sample": True}}, "top_k must be -1 (disable), or at least 1, got 0."),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "do_sample": True, "top_p": 1.5}, "top_p must be in (0.0, 1.0], got 1.5"),
+    ],
+)
+async def test_lightllms_own_400_is_relayed_as_it_is(proxy, wire, path, body, message):
+    async with aiohttp.ClientSession() as s, s.post(proxy + path, json=body) as r:
+        assert r.status == 400
+        answer = await r.json()
+    assert answer == {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    assert wire.stats.rejected == 1
 
 
 @pytest.mark.parametrize(
@@ -208,13 +319,13 @@ async def test_openai_chat_usage_is_accounted(proxy, wire):
         ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, "n": 2}, "stream api only support n = 1"),
     ],
 )
-async def test_lightllm_417_becomes_an_openai_style_400(proxy, wire, path, body, message):
-    async with aiohttp.ClientSession() as s, s.post(proxy + path, json=body) as r:
+async def test_0_0_1_417_becomes_an_openai_style_400(old_proxy, old_wire, path, body, message):
+    async with aiohttp.ClientSession() as s, s.post(old_proxy + path, json=body) as r:
         assert r.status == 400
         assert r.headers["Content-Type"].startswith("application/json")
         err = (await r.json())["error"]
     assert err == {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_request"}
-    assert wire.stats.rejected == 1
+    assert old_wire.stats.rejected == 1
 
 
 # ------------------------------------------------------------------ disconnects

@@ -37,7 +37,7 @@ def scan(pieces: list[bytes], native_mode: bool = True) -> SSEScanner:
     return sc
 
 
-@pytest.mark.parametrize("flavor", ["0.0.1", "main"])
+@pytest.mark.parametrize("flavor", ["0.0.1", "v1.2.0"])
 async def test_every_two_way_split_of_a_native_stream(flavor):
     raw = await fetch(flavor, "/generate_stream", native(6))
     assert raw.count(b"data:{") == 6
@@ -67,9 +67,22 @@ async def test_tokens_with_empty_text_are_counted():
     assert scan([raw]).tokens == 8
 
 
-async def test_prompt_tokens_come_from_main_streams_only():
-    assert scan([await fetch("main", "/generate_stream", native(3))]).prompt_tokens == 6
+async def test_prompt_tokens_come_from_v1_streams_only():
+    assert scan([await fetch("v1.2.0", "/generate_stream", native(3))]).prompt_tokens == 6
     assert scan([await fetch("0.0.1", "/generate_stream", native(3))]).prompt_tokens is None
+
+
+async def test_a_v1_error_event_is_no_token_and_no_finish():
+    server = await WireServer(WireConfig(max_req_total_len=4)).start()
+    try:
+        async with aiohttp.ClientSession() as s, s.post(server.url + "/generate_stream", json=native(3)) as r:
+            raw = await r.read()
+    finally:
+        await server.stop()
+    assert raw.startswith(b'data: {"error":')
+    for k in range(len(raw) + 1):
+        sc = scan([raw[:k], raw[k:]])
+        assert (sc.tokens, sc.finished, sc.error) == (0, False, True), k
 
 
 async def test_a_stream_cut_before_its_final_event_is_not_finished():
@@ -88,13 +101,16 @@ async def test_stop_before_max_new_tokens_still_finishes():
     assert sc.tokens == 3 and sc.finished
 
 
-async def test_lightllm_chat_stream_counts_events_and_has_no_done():
+async def test_lightllm_chat_streams_are_counted():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
-    for flavor in ("0.0.1", "main"):
-        raw = await fetch(flavor, "/v1/chat/completions", body)
-        for k in range(0, len(raw), 7):
-            sc = scan([raw[:k], raw[k:]], native_mode=False)
-            assert (sc.tokens, sc.done) == (5, False)
+    raw = await fetch("0.0.1", "/v1/chat/completions", body)  # one event per token, no [DONE]
+    for k in range(0, len(raw), 7):
+        sc = scan([raw[:k], raw[k:]], native_mode=False)
+        assert (sc.tokens, sc.done) == (5, False)
+    raw = await fetch("v1.2.0", "/v1/chat/completions", body)  # role chunk, usage chunk, [DONE]
+    for k in range(0, len(raw), 7):
+        sc = scan([raw[:k], raw[k:]], native_mode=False)
+        assert (sc.tokens, sc.done, sc.prompt_tokens) == (5, True, 1)
 
 
 def test_usage_of_native_generate_answers():
