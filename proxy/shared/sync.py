@@ -141,6 +141,7 @@ class SharedState:
         self._scripts: dict = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._started_at = clock()
 
     # ------------------------------------------------------------------ wiring
@@ -188,11 +189,14 @@ class SharedState:
         others can use them at once, not after a lease), and close the connections.
         Bounded by a few ``timeout_s``; errors are logged, not raised."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # the loop ends after its current sync (itself bounded by timeout_s); it is
+            # told, not cancelled, so no cancellation can be lost inside the client
+            self._stopping = True
+            self._wake.set()
+            done, _ = await asyncio.wait({self._task}, timeout=self._timeout * 3 + 1.0)
+            if not done:
+                self._task.cancel()
+                await asyncio.wait({self._task})
             self._task = None
         if self._redis is None:
             return
@@ -206,6 +210,7 @@ class SharedState:
                         args=[self.replica_id, self._lease_ms, self._keep_ms, json.dumps([0] * len(keys)), "leave"],
                     )
             except _UNREACHABLE as e:
+                _still_cancelled()
                 log.warning("shared state: could not give the grants back at shutdown (%s); they expire in %g s", _describe(e), self.config.lease_s)
         await self._redis.aclose()
         self._redis = None
@@ -213,7 +218,7 @@ class SharedState:
     async def _run(self) -> None:
         min_gap = self._interval / 4
         last = self._clock()
-        while True:
+        while not self._stopping:
             remaining = self._interval - (self._clock() - last)
             if remaining > 0:
                 try:
@@ -222,8 +227,10 @@ class SharedState:
                 except TimeoutError:
                     pass
                 gap = min_gap - (self._clock() - last)
-                if gap > 0:  # woken early: no more than four syncs per interval
+                if gap > 0 and not self._stopping:  # woken early: no more than four syncs per interval
                     await asyncio.sleep(gap)
+            if self._stopping:
+                return
             self._wake.clear()
             last = self._clock()
             try:
@@ -245,6 +252,7 @@ class SharedState:
         try:
             replies = await self._call_sync(mode, lease_keys, lease_body, pairs, svc_seq, incs, adj)
         except _UNREACHABLE as e:
+            _still_cancelled()
             self.sync_failures += 1
             self._unreachable(e)
             return False
@@ -352,6 +360,7 @@ class SharedState:
                 async with asyncio.timeout(self._timeout):
                     reply = await self._scripts["reserve"](keys=keys, args=args)
             except _UNREACHABLE as e:
+                _still_cancelled()
                 self._unreachable(e)
             else:
                 wait, scope, unit, levels = parse_reserve(reply, buckets)
@@ -412,6 +421,15 @@ class SharedState:
             "pending_rate_corrections": len(self.adjustments),
             "pending_service": len(self.counters),
         }
+
+
+def _still_cancelled() -> None:
+    """Re-raise a cancellation that a client library turned into an error on its way out
+    (a timeout expiring in its cleanup while the task was being cancelled): a cancelled
+    request handler must stay cancelled, not carry on with a local fallback."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
 
 
 def _as_list(v) -> list:
