@@ -142,6 +142,7 @@ class SharedState:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._sync_lock = asyncio.Lock()  # one sync at a time (the loop, stop(), tests)
         self._started_at = clock()
 
     # ------------------------------------------------------------------ wiring
@@ -243,6 +244,10 @@ class SharedState:
     async def sync_once(self) -> bool:
         """One sync: renew, report, push, read back. Returns whether Redis answered."""
         assert self._redis is not None, "start() first"
+        async with self._sync_lock:
+            return await self._sync()
+
+    async def _sync(self) -> bool:
         report = self._reporter()
         mode = "rejoin" if self.mode == "fallback" else "sync"
         lease_keys, lease_body = self.leases.request(report.capacity)
