@@ -27,7 +27,7 @@ async def states(redis_server):
     async def make(n: int, prefix: str = "rl", **cfg) -> list[SharedState]:
         settled(redis_server.url, prefix)
         # a generous timeout: on a loaded test machine a slow call must not count as an outage
-        cfg = {"timeout_s": 1.0, "lease_s": 3.0, **cfg}
+        cfg = {"timeout_s": 2.0, "lease_s": 6.0, **cfg}
         out = [SharedState(config(redis_server.url, key_prefix=prefix, **cfg), replica_id=f"{prefix}{len(made) + i}") for i in range(n)]
         for s in out:
             await s.start()
@@ -112,7 +112,7 @@ async def test_a_batch_of_corrections_is_applied_once_even_when_resent(redis_ser
 
 
 async def test_an_exhausted_limit_is_refused_locally_without_redis_calls(states, redis_server):
-    (s,) = await states(1, sync_interval_s=0.5, lease_s=5.0)
+    (s,) = await states(1, sync_interval_s=0.5)
     limit = RateLimit(2, None)
     for _ in range(2):
         await s.reserve_rate("eve", "g", limit, NONE, 1)
@@ -142,7 +142,7 @@ async def test_bucket_keys_expire_once_they_would_be_full_again(states, redis_se
 
 
 async def test_no_limit_costs_no_redis_call(states, redis_server):
-    (s,) = await states(1, sync_interval_s=0.5, lease_s=5.0)
+    (s,) = await states(1, sync_interval_s=0.5)
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     before = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     for _ in range(100):

@@ -61,6 +61,7 @@ from .rate_limits import (
     PendingAdjustments,
     RateLimited,
     Reservation,
+    ReserveBatcher,
     adjust_args,
     buckets_for,
     parse_reserve,
@@ -141,6 +142,7 @@ class SharedState:
         self._scripts: dict = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.reserves = ReserveBatcher(self._send_reserves, lambda buckets, tokens: self.adjustments.add(buckets, -1, -tokens))
         self._stopping = False
         self._sync_lock = asyncio.Lock()  # one sync at a time (the loop, stop(), tests)
         self._started_at = clock()
@@ -170,7 +172,7 @@ class SharedState:
         start the sync loop."""
         pool = BlockingConnectionPool.from_url(
             self.config.url,
-            max_connections=64,
+            max_connections=8,  # the sync, the batched reserves, shutdown
             timeout=self._timeout,
             socket_timeout=self._timeout,
             socket_connect_timeout=self._timeout,
@@ -333,6 +335,22 @@ class SharedState:
         if changed:
             self._on_change()
 
+    async def _send_reserves(self, calls: list) -> list:
+        """One pipeline of reserve script calls (see :class:`ReserveBatcher`); one reply or
+        error per call."""
+        script = self._scripts["reserve"]
+        for attempt in (0, 1):
+            async with asyncio.timeout(self._timeout):
+                pipe = self._redis.pipeline(transaction=False)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                out = await pipe.execute(raise_on_error=False)
+            if attempt or not any(isinstance(r, NoScriptError) for r in out):
+                return out
+            async with asyncio.timeout(self._timeout):  # a restarted Redis: load, send again
+                await self._redis.script_load(script.script)
+        raise AssertionError("unreachable")
+
     # --------------------------------------------------------------- hot path
 
     def grant(self, key: str) -> int:
@@ -360,10 +378,10 @@ class SharedState:
             return _NO_LIMITS
         if self.mode == "shared":
             self.mirror.check(buckets, tokens)
-            keys, args = reserve_args(buckets, tokens)
             try:
-                async with asyncio.timeout(self._timeout):
-                    reply = await self._scripts["reserve"](keys=keys, args=args)
+                # its pipeline may wait for the one in flight: two timeouts at most
+                async with asyncio.timeout(self._timeout * 2):
+                    reply = await self.reserves.reserve(reserve_args(buckets, tokens), buckets, tokens)
             except _UNREACHABLE as e:
                 _still_cancelled()
                 self._unreachable(e)
