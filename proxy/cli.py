@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--port", type=int, default=8000)
     px.add_argument("--upstream", default=None, help="upstream base URL; overrides upstream.url")
     px.add_argument("--no-watch", action="store_true", help="do not watch the config file; reload only on SIGHUP or POST /admin/reload")
+    px.add_argument("--workers", type=int, default=1, help="processes serving the port (SO_REUSEPORT); more than 1 needs a shared_state section")
+    px.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
     en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, CPU engine otherwise)", add_help=False)
     en.add_argument("args", nargs=argparse.REMAINDER)
@@ -58,9 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "proxy":
+        if args.workers < 1:
+            print("error: --workers must be at least 1", file=sys.stderr)
+            return 2
+        if args.workers > 1 and args.worker_index is None:
+            from .workers import supervise
+
+            return supervise(args.config, args.host, args.port, args.upstream, not args.no_watch, args.workers)
         from .server import run
 
-        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch)
+        worker = (args.worker_index, args.workers) if args.worker_index is not None else None
+        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch, worker=worker)
     if args.command == "check-config":
         return check_config(args.file)
     if args.command == "up":

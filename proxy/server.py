@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,11 +29,14 @@ async def serve(
     upstream_url: str | None = None,
     drain_timeout_s: float = 30.0,
     watch: bool = True,
+    worker: tuple[int, int] | None = None,
 ) -> None:
     """Serve the proxy until SIGTERM/SIGINT.
 
     On a stop signal: stop accepting connections, refuse queued requests (503), let
     requests in flight finish for up to ``drain_timeout_s`` seconds, then close.
+    ``worker``: (index, count) when this is one of ``--workers`` processes: the port is
+    bound with SO_REUSEPORT (:mod:`proxy.workers`).
 
     Raises:
         ConfigError: the initial config is invalid (nothing starts).
@@ -40,16 +44,19 @@ async def serve(
     """
     data = Path(config_path).read_bytes()
     config = parse_config(data.decode("utf-8", "replace"), config_path)
-    app = create_app(config, config_digest(data), config_path, upstream_url)
+    app = create_app(config, config_digest(data), config_path, upstream_url, worker=worker)
     state = app[STATE]
     app[RELOADER] = lambda: reload_config(state)
 
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=worker is not None)
     await site.start()
     log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
-    print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+    if worker is None:
+        print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+    else:
+        print(f"llm-qos proxy worker {worker[0] + 1}/{worker[1]} (pid {os.getpid()}) ready on http://{host}:{port}", flush=True)
 
     # everything allocated at start-up lives as long as the process: keep it out of the
     # collector's full passes, which otherwise stall the loop for ~0.1-0.4 s at depth
@@ -105,7 +112,7 @@ def _flush_access_log(loop: asyncio.AbstractEventLoop) -> None:
     loop.call_later(ACCESS_LOG_FLUSH_S, _flush_access_log, loop)
 
 
-def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True) -> int:
+def run(config_path: str, host: str, port: int, upstream_url: str | None = None, watch: bool = True, worker: tuple[int, int] | None = None) -> int:
     """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code."""
     from .config import ConfigError
 
@@ -117,7 +124,7 @@ def run(config_path: str, host: str, port: int, upstream_url: str | None = None,
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
     try:
-        runner(serve(config_path, host, port, upstream_url, watch=watch))
+        runner(serve(config_path, host, port, upstream_url, watch=watch, worker=worker))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
