@@ -37,10 +37,11 @@ take and correction is kept (bounded) and charged to Redis when it answers again
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, NamedTuple
+
+import orjson
 
 from qos import RateLimit, TokenBucket
 
@@ -204,7 +205,7 @@ def reserve_args(buckets: tuple[Bucket, ...], tokens: int) -> tuple[list[str], l
 
 def parse_reserve(reply: str | bytes, buckets: tuple[Bucket, ...]) -> tuple[float, str, str, list[tuple[float, float]]]:
     """(wait_s, scope, unit, levels) from a reserve reply; wait 0.0 means taken."""
-    r = json.loads(reply)
+    r = orjson.loads(reply)
     lv = [(float(a), float(b)) for a, b in (r.get("lv") or [])]
     if int(r["ok"]):
         return 0.0, "", "", lv
@@ -475,7 +476,7 @@ class ReserveBatcher:
                     continue
                 for (_, fut, buckets, tokens), reply in zip(batch, replies):
                     if fut.done():  # the request stopped waiting: undo a take it never used
-                        if not isinstance(reply, BaseException) and json.loads(reply).get("ok"):
+                        if not isinstance(reply, BaseException) and orjson.loads(reply).get("ok"):
                             self._on_orphan(buckets, tokens)
                     elif isinstance(reply, BaseException):
                         fut.set_exception(reply)
