@@ -13,6 +13,17 @@ commandstats``). Rows:
 - ``local reserve (standalone)``: the same limit in process, for comparison.
 - ``sync, R replicas x K keys``: one sync of a replica (lease script with K capacity keys,
   3 classes, R replicas' entries per key, plus 20 users' service pushed and read back).
+
+A second table times the leases themselves, three replicas at the default settings
+(``sync_interval_s`` 0.1, ``lease_s`` 3), capacity 12, median of ``--rounds``:
+
+- ``priority handover``: replica B fills the capacity with bronze; platinum work starts
+  waiting on A. *stop*: until B's grant has dropped (B dispatches no more bronze);
+  *serve*: from B's requests finishing until A has dispatched its platinum requests.
+- ``replica killed``: a replica holding a third of the capacity stops renewing (as under
+  SIGKILL); until the others hold all of it.
+- ``replica stopped``: the same after a graceful stop (it gives its grants back).
+- ``Redis restarted``: until every replica syncs again, and until the rebuild window ends.
 """
 
 from __future__ import annotations
@@ -92,7 +103,77 @@ class Meter:
             print(f"| {name} | {n} | {p50:.1f} | {p99:.1f} | {rate:,.0f} | {cpu:.1f} | {rc:.3f} | {ru:.1f} |")
 
 
-async def main(n: int) -> None:
+async def _until(pred, timeout_s: float = 30.0) -> float:
+    t0 = time.perf_counter()
+    while not pred():
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError("timed out")
+        await asyncio.sleep(0.002)
+    return time.perf_counter() - t0
+
+
+async def lease_timings(server: RedisServer, rounds: int) -> None:
+    """The lease scenarios of the module docstring; prints a table of medians."""
+    from tests.shared_helpers import KEY, SimReplica
+
+    results: dict[str, list[float]] = {}
+
+    def add(name: str, v: float) -> None:
+        results.setdefault(name, []).append(v)
+
+    for r in range(rounds):
+        prefix = f"lease{r}"
+        redis.Redis.from_url(server.url).hset("{" + prefix + "}:epoch", "rebuild_until", 0)
+        cfg = SharedStateConfig(url=server.url, key_prefix=prefix)
+        sims = [SimReplica(SharedState(cfg, replica_id=f"{prefix}-{i}"), 12) for i in range(3)]
+        for sim in sims:
+            await sim.state.start()
+        a, b, c = sims
+        await _until(lambda: sorted(s.state.grant(KEY) for s in sims) == [4, 4, 4])
+        b.arrive(cls=2, n=100)
+        await _until(lambda: b.total_inflight == 12 - a.state.grant(KEY) - c.state.grant(KEY) and b.state.grant(KEY) >= 12 - 1)
+        await _until(lambda: b.total_inflight == 12)
+        a.arrive(cls=0, n=4)
+        add("priority handover: stop", await _until(lambda: b.state.grant(KEY) <= 8))
+        b.complete(cls=2, n=4)
+        add("priority handover: serve", await _until(lambda: a.inflight[0] == 4))
+        b.waiting[2] = 0
+        a.complete(cls=0, n=4)
+        b.complete(cls=2, n=100)
+        await _until(lambda: sorted(s.state.grant(KEY) for s in sims) == [4, 4, 4])
+
+        # a crash: c stops renewing and never leaves
+        await c.state.stop(give_back=False)  # no leave: what SIGKILL does, for Redis
+        a.arrive(cls=1, n=100)
+        add("replica killed: capacity back", await _until(lambda: a.state.grant(KEY) + b.state.grant(KEY) == 12))
+        a.waiting[1] = 0
+        a.complete(cls=1, n=100)
+
+        d = SimReplica(SharedState(cfg, replica_id=f"{prefix}-3"), 12)
+        await d.state.start()
+        await _until(lambda: d.state.grant(KEY) >= 3)
+        a.arrive(cls=1, n=100)
+        await d.state.stop()
+        add("replica stopped: capacity back", await _until(lambda: a.state.grant(KEY) + b.state.grant(KEY) == 12))
+        a.waiting[1] = 0
+        a.complete(cls=1, n=100)
+
+        server.restart()
+        t0 = time.perf_counter()
+        await _until(lambda: all(s.state.syncs and s.state.mode == "shared" and s.state.rebuilding for s in (a, b)))
+        add("Redis restarted: synced again", time.perf_counter() - t0)
+        await _until(lambda: not a.state.rebuilding and not b.state.rebuilding)
+        add("Redis restarted: rebuild over", time.perf_counter() - t0)
+        for s in (a, b):
+            await s.state.stop()
+
+    print("| lease scenario (3 replicas, interval 0.1 s, lease 3 s) | median s | max s |")
+    print("|---|---|---|")
+    for name, xs in results.items():
+        print(f"| {name} | {statistics.median(xs):.3f} | {max(xs):.3f} |")
+
+
+async def main(n: int, rounds: int) -> None:
     server = RedisServer().start()
     client = redis.Redis.from_url(server.url)
     try:
@@ -165,6 +246,8 @@ async def main(n: int) -> None:
                 await s.stop()
         await state.stop()
         meter.print()
+        print()
+        await lease_timings(server, rounds)
     finally:
         client.close()
         server.close()
@@ -173,10 +256,11 @@ async def main(n: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000, help="calls per row")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the lease scenarios")
     args = ap.parse_args()
     try:
         import uvloop
 
-        uvloop.run(main(args.n))
+        uvloop.run(main(args.n, args.rounds))
     except ImportError:
-        asyncio.run(main(args.n))
+        asyncio.run(main(args.n, args.rounds))

@@ -196,10 +196,11 @@ class SharedState:
             client_name=f"llm-qos:{self.replica_id}:{role}",
         )
 
-    async def stop(self) -> None:
+    async def stop(self, give_back: bool = True) -> None:
         """Stop syncing, push what is buffered, give this replica's grants back (so the
         others can use them at once, not after a lease), and close the connections.
-        Bounded by a few ``timeout_s``; errors are logged, not raised."""
+        Bounded by a few ``timeout_s``; errors are logged, not raised. ``give_back=False``
+        only closes: Redis sees what a crash looks like (the grants lapse after a lease)."""
         if self._task is not None:
             # the loop ends after its current sync (itself bounded by timeout_s); it is
             # told, not cancelled, so no cancellation can be lost inside the client
@@ -212,7 +213,7 @@ class SharedState:
             self._task = None
         if self._redis is None:
             return
-        if self.mode == "shared":
+        if self.mode == "shared" and give_back:
             await self.sync_once()
             try:
                 keys = self.leases.reported_keys()
