@@ -65,7 +65,9 @@ async def test_two_workers_share_one_port_reload_together_and_survive_a_kill(aio
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = await asyncio.to_thread(start_proxy, path, port, None, 60.0, ["--workers", "2", "--no-watch"])
+    # started from this thread (not a worker thread): the kernel's die-with-parent signal
+    # follows the thread that forked; the proxy's readiness does not need this loop
+    proc = start_proxy(path, port, None, 60.0, ["--workers", "2", "--no-watch"])
     try:
         workers = _children(proc.pid)
         assert len(workers) == 2
@@ -108,6 +110,6 @@ async def test_two_workers_share_one_port_reload_together_and_survive_a_kill(aio
             await asyncio.sleep(0.1)
         assert proc.poll() is None
     finally:
-        code = await asyncio.to_thread(stop_proxy, proc)
+        code = stop_proxy(proc)
     assert code == 0
     assert not _children(proc.pid)
