@@ -43,6 +43,10 @@ def redacted_config(config) -> dict:
         for engine in pool["engines"]:
             if engine.get("api_key"):
                 engine["api_key"] = REDACTED
+    shared = data.get("shared_state")
+    if shared and "@" in shared["url"]:  # redis://user:password@host
+        scheme, _, rest = shared["url"].partition("://")
+        shared["url"] = f"{scheme}://{REDACTED}@{rest.rpartition('@')[2]}"
     for g in data["groups"]:
         for u in g["users"]:
             if u.get("api_key"):

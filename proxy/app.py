@@ -42,7 +42,11 @@ async def guard(request: web.Request, handler):
 
 
 def create_app(
-    config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | list[str] | None = None
+    config: Config,
+    digest: str = "",
+    config_path: str | None = None,
+    upstream_override: str | list[str] | None = None,
+    worker: tuple[int, int] | None = None,
 ) -> web.Application:
     """Build the proxy application for ``config``.
 
@@ -53,9 +57,10 @@ def create_app(
 
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
     that is how a client's disconnect reaches the handler and aborts the upstream.
+    ``worker``: (index, count) for one of ``--workers`` processes (:mod:`proxy.workers`).
     """
     app = web.Application(middlewares=[guard], client_max_size=config.limits.max_body_bytes)
-    state = ProxyState(config, digest, config_path, upstream_override)
+    state = ProxyState(config, digest, config_path, upstream_override, worker)
     app[STATE] = state
     app[LOAD_SIGNAL] = load_signal = LoadSignal(state)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -73,8 +78,10 @@ def create_app(
     async def start_upstream(app: web.Application) -> None:
         state.upstream = Upstream(state.active.config.upstream)
         load_signal.start()
+        await state.shared.start()
 
     async def close_upstream(app: web.Application) -> None:
+        await state.shared.stop()  # after the drain: gives this replica's grants back
         await load_signal.stop()
         if state.upstream is not None:
             await state.upstream.close()

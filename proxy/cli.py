@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--no-watch", action="store_true", help="do not watch the config file; reload only on SIGHUP or POST /admin/reload")
     px.add_argument("--log-format", choices=("text", "json"), default="text", help="diagnostic log on stderr: readable text (default) or one JSON object per line")
     px.add_argument("--access-log", default="-", metavar="PATH", help="where the access log (one JSON object per request) goes: - for stderr (default), or a file appended to")
+    px.add_argument("--workers", type=int, default=1, help="processes serving the port (SO_REUSEPORT); more than 1 needs a shared_state section")
+    px.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
     en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, CPU engine otherwise)", add_help=False)
     en.add_argument("args", nargs=argparse.REMAINDER)
@@ -73,9 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "proxy":
+        if args.workers < 1:
+            print("error: --workers must be at least 1", file=sys.stderr)
+            return 2
+        if args.workers > 1 and args.worker_index is None:
+            from .workers import supervise
+
+            return supervise(args.config, args.host, args.port, args.upstream, not args.no_watch, args.workers, ["--log-format", args.log_format, "--access-log", args.access_log])
         from .server import run
 
-        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch, log_format=args.log_format, access_log=args.access_log)
+        worker = (args.worker_index, args.workers) if args.worker_index is not None else None
+        return run(args.config, args.host, args.port, args.upstream, watch=not args.no_watch, log_format=args.log_format, access_log=args.access_log, worker=worker)
     if args.command == "check-config":
         return check_config(args.file)
     if args.command == "up":

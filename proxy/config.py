@@ -222,6 +222,54 @@ class GroupConfig(_Model):
     max_tokens: int | None = Field(default=None, ge=1)
 
 
+class SharedStateConfig(_Model):
+    """Share one QoS state between proxy processes through Redis (``docs/scaling.md``).
+
+    ``url``: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or
+    ``unix:///path?db=0`` (Redis or Valkey, 6.2 or later). ``password_env``: a variable
+    holding the password, for a URL without one. ``key_prefix``: the deployment's
+    namespace; every key is ``{key_prefix}:...``, one Redis Cluster hash slot.
+    ``sync_interval_s``: how often each process renews its capacity leases and pushes its
+    counters. ``lease_s``: a process that has not renewed for this long loses its grants
+    (capacity returns to the others), and a process that cannot reach Redis for this long
+    takes its local share. ``timeout_s``: the bound on every Redis call; a call past it
+    counts as Redis unreachable. ``expected_replicas``: how many processes a process
+    assumes before it has ever reached Redis (``--workers N`` raises it to N).
+    ``service_ttl_s``: a user's shared service counter is forgotten after this long
+    without service or a waiting request. Changes take effect at the next restart.
+    """
+
+    url: str = Field(min_length=1)
+    password_env: str | None = None
+    key_prefix: str = Field(default="llm-qos", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    sync_interval_s: float = Field(default=0.1, ge=0.02, le=2.0)
+    lease_s: float = Field(default=3.0, ge=0.5, le=60.0)
+    timeout_s: float = Field(default=0.1, ge=0.005, le=5.0)
+    expected_replicas: int = Field(default=1, ge=1, le=1000)
+    service_ttl_s: float = Field(default=600.0, ge=1.0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @model_validator(mode="after")
+    def _lease_covers_syncs(self) -> "SharedStateConfig":
+        need = 4 * self.sync_interval_s + 2 * self.timeout_s
+        if self.lease_s < need:
+            raise ValueError(
+                f"lease_s ({self.lease_s:g}) must be at least 4 x sync_interval_s + 2 x timeout_s ({need:g}): "
+                "a lease must outlive a few missed renewals"
+            )
+        return self
+
+    def credential(self) -> str | None:
+        """The password from ``password_env``, if set (a password in ``url`` wins)."""
+        return _secret(None, self.password_env)
+
+
 class Config(_Model):
     """The whole configuration file."""
 
@@ -231,6 +279,7 @@ class Config(_Model):
     identity: IdentityConfig = IdentityConfig()
     admin: AdminConfig = AdminConfig()
     limits: LimitsConfig = LimitsConfig()
+    shared_state: SharedStateConfig | None = None
     default_group: str
     groups: list[GroupConfig] = Field(min_length=1)
     # several engines and models: proxy/pool_config.py (None: the single ``upstream`` form)

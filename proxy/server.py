@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,11 +30,14 @@ async def serve(
     upstream_url: str | list[str] | None = None,
     drain_timeout_s: float = 30.0,
     watch: bool = True,
+    worker: tuple[int, int] | None = None,
 ) -> None:
     """Serve the proxy until SIGTERM/SIGINT.
 
     On a stop signal: stop accepting connections, refuse queued requests (503), let
     requests in flight finish for up to ``drain_timeout_s`` seconds, then close.
+    ``worker``: (index, count) when this is one of ``--workers`` processes: the port is
+    bound with SO_REUSEPORT (:mod:`proxy.workers`).
 
     Raises:
         ConfigError: the initial config is invalid (nothing starts).
@@ -41,13 +45,13 @@ async def serve(
     """
     data = Path(config_path).read_bytes()
     config = parse_config(data.decode("utf-8", "replace"), config_path)
-    app = create_app(config, config_digest(data), config_path, upstream_url)
+    app = create_app(config, config_digest(data), config_path, upstream_url, worker=worker)
     state = app[STATE]
     app[RELOADER] = lambda: reload_config(state)
 
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=worker is not None)
     await site.start()
     # the signal handlers before the ready line: a SIGTERM right after it must drain
     stop = asyncio.Event()
@@ -56,7 +60,10 @@ async def serve(
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
     log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
-    print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+    if worker is None:
+        print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+    else:
+        print(f"llm-qos proxy worker {worker[0] + 1}/{worker[1]} (pid {os.getpid()}) ready on http://{host}:{port}", flush=True)
 
     # everything allocated at start-up lives as long as the process: keep it out of the
     # collector's full passes, which otherwise stall the loop for ~0.1-0.4 s at depth
@@ -132,10 +139,12 @@ def run(
     watch: bool = True,
     log_format: str = "text",
     access_log: str | None = None,
+    worker: tuple[int, int] | None = None,
 ) -> int:
     """Blocking entry point for the CLI; uses uvloop when installed. Returns an exit code.
 
-    ``log_format`` and ``access_log``: see :func:`configure_logging`."""
+    ``log_format`` and ``access_log``: see :func:`configure_logging`; ``worker``: see
+    :func:`serve`."""
     from .config import ConfigError
 
     try:
@@ -150,7 +159,7 @@ def run(
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
     try:
-        runner(serve(config_path, host, port, upstream_url, watch=watch))
+        runner(serve(config_path, host, port, upstream_url, watch=watch, worker=worker))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ from .config import Config, ConfigError, with_upstream_urls
 from .identity import IdentityResolver
 from .metrics import Metrics
 from .pool_config import unserved
+from .shared import create_shared_state
 from .upstream import Upstream
+from .workers import split_for_worker
 
 
 @dataclass(slots=True)
@@ -40,6 +42,8 @@ class ProxyState:
         config_path: the file it came from (for reloads), or ``None``.
         upstream_override: upstream URL(s) applied on every load (the CLI's
             ``--upstream``; several make a pool: :func:`proxy.config.with_upstream_urls`).
+        worker: (index, count) for one of ``--workers`` processes: every load is
+            :func:`proxy.workers.split_for_worker`'s part of the file.
 
     Raises:
         ConfigError: the override does not fit the config, or this build cannot serve it
@@ -47,10 +51,16 @@ class ProxyState:
     """
 
     def __init__(
-        self, config: Config, digest: str = "", config_path: str | None = None, upstream_override: str | list[str] | None = None
+        self,
+        config: Config,
+        digest: str = "",
+        config_path: str | None = None,
+        upstream_override: str | list[str] | None = None,
+        worker: tuple[int, int] | None = None,
     ) -> None:
         self.upstream_override = upstream_override
-        config = _servable(with_upstream_urls(config, upstream_override))
+        self.worker = worker
+        config = self._prepare(config)
         self.active = ActiveConfig(config, IdentityResolver(config), digest)
         self.config_path = config_path
         self.admission = Admission(config.to_policy())
@@ -60,6 +70,13 @@ class ProxyState:
         self.draining = False
         self.open_requests = 0  # client requests being handled now
         self.max_body_bytes = config.limits.max_body_bytes  # fixed for the app's lifetime
+        # shared with the other replicas through Redis, or standalone; fixed for the
+        # process's lifetime (a changed shared_state section takes effect at restart)
+        self.shared = create_shared_state(config.shared_state, worker[1] if worker else 1)
+
+    def _prepare(self, config: Config) -> Config:
+        config = _servable(with_upstream_urls(config, self.upstream_override))
+        return split_for_worker(config, self.worker[1], self.worker[0]) if self.worker else config
 
     def apply(self, config: Config, digest: str = "") -> None:
         """Make ``config`` the active one, atomically (one reference swap, no await).
@@ -71,7 +88,7 @@ class ProxyState:
             ValueError: the config is inconsistent as a scheduler policy (nothing changes).
             ConfigError: as for the constructor (nothing changes).
         """
-        config = _servable(with_upstream_urls(config, self.upstream_override))
+        config = self._prepare(config)
         policy = config.to_policy()
         identity = IdentityResolver(config)
         self.admission.update_policy(policy)

@@ -84,3 +84,16 @@ async def http():
     """A client session for talking to the proxy."""
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+@pytest.fixture
+def redis_server():
+    """A real ``redis-server`` on a free 127.0.0.1 port, empty, no persistence
+    (:class:`tests.redis_server.RedisServer`: stop, restart, kill, pause for fault tests)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -304,6 +304,26 @@ def test_engine_image_is_lightllm_with_the_launcher():
     assert compose["services"]["engine"]["build"]["args"]["LIGHTLLM_IMAGE"] == args["LIGHTLLM_IMAGE"]  # one pin
 
 
+def test_two_proxy_replicas_share_one_redis(compose):
+    services = compose["services"]
+    redis = services["redis"]
+    assert "profiles" not in redis and "ports" not in redis  # for every stack, never published
+    assert redis["image"].startswith("redis:") and not redis["image"].endswith(":latest")
+    args = redis["command"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"  # a lease must never be evicted
+    assert args[args.index("--save") + 1] == "" and args[args.index("--appendonly") + 1] == "no"
+    assert "redis-cli" in redis["healthcheck"]["test"]
+    for proxy, config_file in (("proxy", "config.yaml"), ("proxy-cpu", "config.cpu.yaml")):
+        svc = services[proxy]
+        assert svc["deploy"]["replicas"] >= 2
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        host_ports = interpolate(svc["ports"][0]).rsplit(":", 1)[0]
+        first, last = (int(p) for p in host_ports.split("-"))
+        assert last - first + 1 >= svc["deploy"]["replicas"]  # a host port for each replica
+        cfg = load_config(ROOT / "config" / config_file)
+        assert cfg.shared_state is not None and cfg.shared_state.url.startswith("redis://redis:6379/")
+
+
 # ------------------------------------------------------------------- preflight
 
 

@@ -1,0 +1,40 @@
+"""QoS state shared by several proxy processes through Redis (``docs/scaling.md``).
+
+One module per job: :mod:`.leases` (capacity leases), :mod:`.rate_limits` (rate-limit
+buckets), :mod:`.counters` (fair-share service counters), :mod:`.sync` (the client, the
+sync loop and the fallback), :mod:`.standalone` (the same surface without Redis),
+:mod:`.keys` (the Redis key layout).
+"""
+
+from __future__ import annotations
+
+from ..config import SharedStateConfig
+from .leases import CapacityReport, ClassDemand, fallback_share
+from .rate_limits import RateLimited, Reservation
+from .standalone import StandaloneState
+from .sync import SharedState, SyncReport
+
+
+def create_shared_state(config: SharedStateConfig | None, expected_replicas: int = 1) -> SharedState | StandaloneState:
+    """A :class:`SharedState` for a ``shared_state`` section, else a :class:`StandaloneState`.
+
+    Args:
+        config: the section, or None (absent: standalone).
+        expected_replicas: replicas assumed before Redis says (``--workers N``).
+    """
+    if config is None:
+        return StandaloneState()
+    return SharedState(config, expected_replicas=expected_replicas)
+
+
+__all__ = [
+    "CapacityReport",
+    "ClassDemand",
+    "RateLimited",
+    "Reservation",
+    "SharedState",
+    "StandaloneState",
+    "SyncReport",
+    "create_shared_state",
+    "fallback_share",
+]

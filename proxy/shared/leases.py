@@ -1,0 +1,365 @@
+"""Capacity leases: how many units (requests, or tokens) of a capacity key this replica may
+have in flight, granted by Redis so that all replicas together never exceed the capacity.
+
+A *capacity key* names one resource with a capacity C: an engine's request slots, or its
+KV-token budget (two keys). Each replica reports, every sync, for each key: C as its config
+says, the grant it is acting on (*applied*, A), its units in flight (F), and its demand per
+priority class (units in flight and waiting, and a sharing weight). The Lua script
+:data:`LEASE_SCRIPT` stores the report, plans a target for every live replica, and issues
+this replica a new grant G. The replica then dispatches only while F < G (the hot path
+reads :meth:`LeaseTable.grant`, a dict lookup; no Redis).
+
+**The invariant.** Redis keeps each live replica's *claim* = max(A, G, F) from its last
+report. Between two of its syncs a replica's true in-flight never exceeds its claim: during
+the round trip it still acts on A, after it acts on G, and it never dispatches past either.
+A new grant is ``min(target, C - sum of the other live replicas' claims)``, and the new
+claim max(A, F, G) fits because A and F are each within the replica's previous claim. So
+the sum over live replicas of max(grant, in flight) never exceeds C, although replicas act
+on grants up to one interval old. A grant may go below F (the replica then dispatches
+nothing until F drains below it); the claim, and so the capacity it holds, falls only as F
+falls and once the replica has confirmed the lower grant at its next sync. New room comes
+only from units that are truly free.
+
+**The plan** (who should hold what), computed from all live replicas' reports:
+strict priority as a water-fill cascade. For class 0 (highest), every replica wants its
+in-flight plus waiting units of that class; the capacity is divided in proportion to the
+replicas' weights (max-min fair: nobody gets more than it wants, the rest goes to the
+others), the remainder goes to class 1, and so on. Whatever is left after every class is
+spare, split evenly, so a replica can dispatch a new arrival without waiting for a sync.
+Thus a platinum request waiting on replica A shrinks the targets of replicas that serve
+only bronze, and the slots they free go to A.
+
+**Liveness.** A replica renews its lease (``{P}:replicas``, score = Redis ``TIME`` +
+lease) at every sync; one that stops (SIGKILL) is dropped, with its claims, by the first
+sync that sees its lease expired, so its capacity returns to the others after ``lease_s``.
+Only Redis's clock is used for expiry.
+
+**Rebuild.** A Redis that lost its keys (restart, flush, or a cold start: Redis cannot
+tell them apart) or a replica coming back from its local fallback share
+(:mod:`proxy.shared.sync`) opens a *rebuild window* of one lease: replicas that have not
+reported yet may hold grants or fallback shares that Redis cannot see, so during the
+window no grant grows (a replica keeps at most what it applies; a new replica gets
+nothing). After one lease every live replica that can reach Redis has reported, and the
+claims are complete again.
+
+Source of the lease idea: Gray & Cheriton, "Leases: an efficient fault-tolerant mechanism
+for distributed file cache consistency" (SOSP 1989); the per-class water-fill is the
+weighted max-min fair share (Bertsekas & Gallager, *Data Networks*, 6.5.2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+LEASE_SCRIPT = r"""
+-- KEYS[1] {P}:replicas   KEYS[2] {P}:epoch   KEYS[3..] {P}:lease:<capacity key>
+-- ARGV[1] replica id
+-- ARGV[2] lease (ms)
+-- ARGV[3] keep (ms): idle lifetime of the keys written here
+-- ARGV[4] JSON list aligned with KEYS[3..]: [C, applied, inflight, [[inflight, waiting, weight], ...]]
+--         per capacity key, highest class first; 0 removes this replica from that key
+-- ARGV[5] 'sync' | 'rejoin' (back from a local fallback share: open a rebuild window) | 'leave'
+-- returns JSON {g = [grant per key], c = [capacity per key], n = live replicas, rank = 0-based
+--               position of this replica among the live ids, rebuild = 0|1}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rid = ARGV[1]
+local lease_ms = tonumber(ARGV[2])
+local keep_ms = tonumber(ARGV[3])
+local reports = cjson.decode(ARGV[4])
+local mode = ARGV[5]
+
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if mode == 'leave' then
+  redis.call('ZREM', KEYS[1], rid)
+  for i = 3, #KEYS do redis.call('HDEL', KEYS[i], rid) end
+  return cjson.encode({g = {}, c = {}, n = redis.call('ZCARD', KEYS[1]), rank = 0, rebuild = 0})
+end
+redis.call('ZADD', KEYS[1], now + lease_ms, rid)
+redis.call('PEXPIRE', KEYS[1], keep_ms)
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+table.sort(ids)
+local live, rank = {}, 0
+for i, id in ipairs(ids) do
+  live[id] = true
+  if id == rid then rank = i - 1 end
+end
+local n = #ids
+
+-- the rebuild window: opened when the epoch is missing (Redis lost its keys, or a cold start)
+-- or when a replica comes back from its fallback share; for one lease no grant grows
+local rebuild_until = tonumber(redis.call('HGET', KEYS[2], 'rebuild_until'))
+if rebuild_until == nil or mode == 'rejoin' then
+  rebuild_until = now + lease_ms
+  redis.call('HSET', KEYS[2], 'rebuild_until', rebuild_until)
+end
+redis.call('PEXPIRE', KEYS[2], keep_ms)
+local rebuilding = now < rebuild_until
+
+-- weighted max-min fair division of `budget` among `parts` ({want, w}); returns floats
+local function waterfill(budget, parts)
+  local order, W = {}, 0
+  for i, p in ipairs(parts) do
+    p.a = 0
+    if p.want > 0 then table.insert(order, p); W = W + p.w end
+  end
+  table.sort(order, function(x, y)
+    local rx, ry = x.want / x.w, y.want / y.w
+    if rx == ry then return x.id < y.id end
+    return rx < ry
+  end)
+  for _, p in ipairs(order) do
+    if W <= 0 or budget <= 0 then break end
+    p.a = math.min(p.want, budget * p.w / W)
+    budget = budget - p.a
+    W = W - p.w
+  end
+end
+
+-- integer units: floors, then the units left over go to the largest remainders
+local function integerize(parts, total)
+  local given = 0
+  for _, p in ipairs(parts) do
+    local f = math.floor(p.a + 1e-9)
+    p.frac = p.a - f
+    p.a = f
+    given = given + f
+  end
+  local extra = math.floor(total + 1e-9) - given
+  if extra <= 0 then return given end
+  local order = {}
+  for _, p in ipairs(parts) do if p.a < p.want and p.frac > 1e-9 then table.insert(order, p) end end
+  table.sort(order, function(x, y)
+    if x.frac == y.frac then return x.id < y.id end
+    return x.frac > y.frac
+  end)
+  for i = 1, math.min(extra, #order) do order[i].a = order[i].a + 1; given = given + 1 end
+  return given
+end
+
+-- targets for all entries (sorted by id) out of capacity C
+local function plan(entries, C)
+  local target = {}
+  local levels = 0
+  for _, e in ipairs(entries) do
+    target[e.id] = 0
+    if #e.d > levels then levels = #e.d end
+  end
+  local budget = C
+  for lvl = 1, levels do
+    if budget <= 0 then break end
+    local pos, zero = {}, {}
+    for _, e in ipairs(entries) do
+      local d = e.d[lvl]
+      if d then
+        local want = (tonumber(d[1]) or 0) + (tonumber(d[2]) or 0)
+        local w = tonumber(d[3]) or 0
+        if want > 0 then
+          if w > 0 then table.insert(pos, {id = e.id, want = want, w = w})
+          else table.insert(zero, {id = e.id, want = want, w = 1}) end
+        end
+      end
+    end
+    -- weight 0: served only from what the weighted ones leave
+    for _, parts in ipairs({pos, zero}) do
+      if #parts > 0 and budget > 0 then
+        waterfill(budget, parts)
+        local sum = 0
+        for _, p in ipairs(parts) do sum = sum + p.a end
+        budget = budget - integerize(parts, sum)
+        for _, p in ipairs(parts) do target[p.id] = target[p.id] + p.a end
+      end
+    end
+  end
+  if budget > 0 and #entries > 0 then
+    local each = math.floor(budget / #entries)
+    local rest = budget - each * #entries
+    for i, e in ipairs(entries) do
+      target[e.id] = target[e.id] + each + ((i <= rest) and 1 or 0)
+    end
+  end
+  return target
+end
+
+local grants, caps = {}, {}
+for i, rep in ipairs(reports) do
+  local key = KEYS[i + 2]
+  if rep == 0 then
+    redis.call('HDEL', key, rid)
+    grants[i], caps[i] = 0, 0
+  else
+    local cap, applied, inflight, demand = tonumber(rep[1]), tonumber(rep[2]), tonumber(rep[3]), rep[4]
+    local raw = redis.call('HGETALL', key)
+    local entries, others, C = {}, 0, cap
+    for j = 1, #raw, 2 do
+      local id = raw[j]
+      if id ~= rid then
+        if live[id] then
+          local e = cjson.decode(raw[j + 1])
+          e.id = id
+          table.insert(entries, e)
+          others = others + math.max(e.a, e.g, e.f)
+          if e.c < C then C = e.c end
+        else
+          redis.call('HDEL', key, id)
+        end
+      end
+    end
+    table.insert(entries, {id = rid, a = applied, g = 0, f = inflight, c = cap, d = demand})
+    table.sort(entries, function(x, y) return x.id < y.id end)
+    local g = math.min(plan(entries, C)[rid], C - others)
+    if rebuilding then g = math.min(g, applied) end
+    if g < 0 then g = 0 end
+    redis.call('HSET', key, rid, cjson.encode({a = applied, g = g, f = inflight, c = cap, d = demand}))
+    redis.call('PEXPIRE', key, keep_ms)
+    grants[i], caps[i] = g, C
+  end
+end
+return cjson.encode({g = grants, c = caps, n = n, rank = rank, rebuild = rebuilding and 1 or 0})
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassDemand:
+    """One priority class's demand on a capacity key, on this replica.
+
+    Attributes:
+        inflight: units of this class in flight (requests, or tokens for a token key).
+        waiting: units of this class waiting in the local queue.
+        weight: the class's sharing weight here: the sum of the weights of its users
+            with requests waiting on this replica (0 when none wait). Replicas at the
+            same class share the capacity in proportion to it.
+    """
+
+    inflight: int = 0
+    waiting: int = 0
+    weight: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReport:
+    """What this replica says about one capacity key at a sync.
+
+    Attributes:
+        key: the capacity key (e.g. ``"engine:http://a:8001:slots"``); any string.
+        capacity: the units all replicas together may have in flight (this replica's
+            config; Redis uses the smallest any live replica reports).
+        inflight: this replica's units in flight now (must be exact: the invariant
+            rests on it).
+        demand: per priority class, highest first (may be empty: no demand).
+    """
+
+    key: str
+    capacity: int
+    inflight: int
+    demand: tuple[ClassDemand, ...] = ()
+
+
+def fallback_share(capacity: int, replicas: int, rank: int | None) -> int:
+    """This replica's part of ``capacity`` when it cannot reach Redis: capacity ÷ replicas,
+    the remainder going to the lowest ranks (so the parts add up to the capacity exactly);
+    ``rank`` None (never synced) gets the floor."""
+    replicas = max(1, replicas)
+    base, rest = divmod(max(0, capacity), replicas)
+    return base + (1 if rank is not None and rank < rest else 0)
+
+
+class LeaseTable:
+    """This replica's grants, read on the hot path, written by the sync loop.
+
+    :meth:`grant` is a dict lookup. The sync loop builds the lease part of a sync with
+    :meth:`request` (the *applied* grants reported are exactly what :meth:`grant` returns
+    at that moment), stores Redis's answer with :meth:`apply_reply`, and switches to the
+    local fallback shares with :meth:`shrink_to_shares` / :meth:`take_shares`.
+    """
+
+    def __init__(self) -> None:
+        self._grants: dict[str, int] = {}
+        self._capacity: dict[str, int] = {}  # from the latest report
+        self._reported: set[str] = set()  # keys Redis holds an entry of ours for
+
+    def grant(self, key: str) -> int:
+        """Units of ``key`` this replica may have in flight now (0 for a key it has not
+        been granted: it is asked for at the next sync)."""
+        return self._grants.get(key, 0)
+
+    def grants(self) -> dict[str, int]:
+        """A copy of all grants (for status pages and tests)."""
+        return dict(self._grants)
+
+    def request(self, reports: Iterable[CapacityReport]) -> tuple[list[str], str]:
+        """The capacity keys and the JSON report of one sync.
+
+        Keys reported before but absent now are sent as 0: this replica leaves them (the
+        reporter must keep reporting a key while it has units in flight on it).
+
+        Raises:
+            ValueError: a key reported twice.
+        """
+        keys: list[str] = []
+        body: list = []
+        seen: set[str] = set()
+        for r in reports:
+            if r.key in seen:
+                raise ValueError(f"capacity key {r.key!r} reported twice in one sync")
+            seen.add(r.key)
+            self._capacity[r.key] = r.capacity
+            keys.append(r.key)
+            body.append([r.capacity, self._grants.get(r.key, 0), r.inflight, [[d.inflight, d.waiting, d.weight] for d in r.demand]])
+        for gone in sorted(self._reported - seen):
+            self._capacity.pop(gone, None)
+            self._grants[gone] = 0  # nothing new goes there while we leave it
+            keys.append(gone)
+            body.append(0)
+        return keys, json.dumps(body, separators=(",", ":"))
+
+    def apply_reply(self, keys: list[str], grants: list[int]) -> tuple[bool, bool]:
+        """Store the grants Redis issued for ``keys`` (those of :meth:`request`, in order).
+
+        Returns:
+            (changed, lowered): whether any grant changed, and whether any went down
+            (then the sync loop confirms at once, so Redis frees the difference sooner).
+        """
+        changed = lowered = False
+        for key, g in zip(keys, grants):
+            if key not in self._capacity:  # left: Redis dropped our entry
+                self._reported.discard(key)
+                self._grants.pop(key, None)
+                continue
+            g = int(g)
+            old = self._grants.get(key, 0)
+            if g != old:
+                changed = True
+                lowered = lowered or g < old
+            self._grants[key] = g
+            self._reported.add(key)
+        return changed, lowered
+
+    def shrink_to_shares(self, replicas: int, rank: int | None) -> bool:
+        """First step of the fallback (a sync failed): each grant becomes
+        min(grant, fallback share). Only lowers, so it is always safe. Returns whether
+        anything changed."""
+        changed = False
+        for key, cap in self._capacity.items():
+            g = min(self._grants.get(key, 0), fallback_share(cap, replicas, rank))
+            if g != self._grants.get(key, 0):
+                self._grants[key] = g
+                changed = True
+        return changed
+
+    def take_shares(self, replicas: int, rank: int | None) -> bool:
+        """Second step (no sync for a whole lease): each grant becomes the fallback share.
+        Returns whether anything changed."""
+        changed = False
+        for key, cap in self._capacity.items():
+            g = fallback_share(cap, replicas, rank)
+            if g != self._grants.get(key, 0):
+                self._grants[key] = g
+                changed = True
+        return changed
+
+    def reported_keys(self) -> list[str]:
+        """Keys Redis holds an entry of this replica for (for :meth:`SharedState.stop`)."""
+        return sorted(self._reported)

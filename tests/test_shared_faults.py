@@ -1,0 +1,157 @@
+"""The shared state when Redis fails, against a real redis-server that the tests stop,
+restart empty on the same port, or freeze with SIGSTOP: no call hangs, every replica
+falls back to its local share (capacity and limits ÷ live replicas) without the sum ever
+exceeding the capacity, nothing queued is lost or dispatched twice, and everything
+resynchronises when Redis returns."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from proxy.shared import RateLimited, SharedState
+from proxy.shared.keys import Keys
+from qos import RateLimit
+from tests.shared_helpers import KEY, SimReplica, claims, config, settled, wait_for
+
+NONE = RateLimit(None, None)
+CAPACITY = 8
+
+
+class Load:
+    """Keeps two simulated replicas busy: requests complete and waiting ones are
+    dispatched every few milliseconds; checks the capacity invariant and that no request
+    is lost or duplicated at every step."""
+
+    def __init__(self, sims: list[SimReplica], arrived: list[int]) -> None:
+        self.sims = sims
+        self.arrived = arrived
+        self.completed = [0] * len(sims)
+        self.worst = 0
+        self._task = asyncio.create_task(self._run())
+
+    def check(self) -> None:
+        total = claims(self.sims)
+        self.worst = max(self.worst, total)
+        assert total <= CAPACITY, [(s.state.mode, s.state.grant(KEY), s.total_inflight) for s in self.sims]
+        for i, s in enumerate(self.sims):  # conservation: waiting + in flight + done = arrived
+            assert sum(s.waiting) + s.total_inflight + self.completed[i] == self.arrived[i]
+
+    async def _run(self) -> None:
+        while True:
+            for i, s in enumerate(self.sims):
+                if s.inflight[2]:
+                    s.complete(cls=2)
+                    self.completed[i] += 1
+                s.fill()
+            self.check()
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+async def test_redis_stopped_and_restarted_mid_run(redis_server):
+    settled(redis_server.url, "f")
+    cfg = config(redis_server.url, key_prefix="f", sync_interval_s=0.05, lease_s=0.6, timeout_s=0.05)
+    sims = [SimReplica(SharedState(cfg, replica_id=f"f{i}"), CAPACITY) for i in range(2)]
+    for s in sims:
+        await s.state.start()
+    arrived = [0, 0]
+    for i, s in enumerate(sims):
+        s.arrive(cls=2, n=100_000)
+        arrived[i] = 100_000
+    load = Load(sims, arrived)
+    try:
+        await wait_for(lambda: [s.state.grant(KEY) for s in sims] == [4, 4], 5, "an even split under load", check=load.check)
+        limit = RateLimit(10, None)
+        for _ in range(3):
+            await sims[0].state.reserve_rate("alice", "g", limit, NONE, 1)  # 3 of 10 taken in Redis
+        sims[1].state.report_service("pool", "alice", 7.0)
+
+        redis_server.stop()
+        # first every replica shrinks to at most its share, then takes exactly its share
+        await wait_for(lambda: all(s.state.mode == "fallback" for s in sims), 5, "the fallback", check=load.check)
+        assert [s.state.grant(KEY) for s in sims] == [4, 4]
+
+        # the hot path never waits for a dead Redis: limits are local, 10 / 2 per replica,
+        # starting from the level last seen (7 left -> 3.5 here)
+        took, slowest = 0, 0.0
+        for _ in range(10):
+            t0 = time.monotonic()
+            try:
+                await sims[0].state.reserve_rate("alice", "g", limit, NONE, 1)
+                took += 1
+            except RateLimited:
+                pass
+            slowest = max(slowest, time.monotonic() - t0)
+        assert took == 3 and slowest < 0.05
+        sims[1].state.report_service("pool", "alice", 5.0)
+
+        redis_server.start()  # same port, no keys at all
+        await wait_for(lambda: all(s.state.mode == "shared" for s in sims), 5, "the replicas to reach Redis again", check=load.check)
+        await wait_for(lambda: not any(s.state.rebuilding for s in sims), 5, "the rebuild window to close", check=load.check)
+        await wait_for(lambda: [s.state.grant(KEY) for s in sims] == [4, 4], 5, "the split rebuilt from the reports", check=load.check)
+        await asyncio.sleep(0.2)  # a few more syncs under the invariant
+        load.check()
+    finally:
+        await load.stop()
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    keys = Keys("f")
+    # what was taken and served during the outage was charged to the new Redis
+    assert float(client.hget(keys.user_bucket("alice"), "r")) <= 10 - 3 + 1
+    assert float(client.get(keys.service("pool", "alice"))) == pytest.approx(12.0)
+    assert load.worst <= CAPACITY
+    for s in sims:
+        await s.state.stop()
+
+
+async def test_a_frozen_redis_costs_a_timeout_once_not_per_request(redis_server):
+    settled(redis_server.url, "z")
+    state = SharedState(config(redis_server.url, key_prefix="z", sync_interval_s=0.05, lease_s=0.6, timeout_s=0.05), replica_id="z0")
+    await state.start()
+    try:
+        redis_server.pause()  # SIGSTOP: connections stay open, nothing answers
+        limit = RateLimit(100, None)
+        t0 = time.monotonic()
+        await state.reserve_rate("bob", "g", limit, NONE, 1)  # waits one timeout, then local
+        first = time.monotonic() - t0
+        t1 = time.monotonic()
+        for _ in range(20):
+            await state.reserve_rate("bob", "g", limit, NONE, 1)
+        rest = time.monotonic() - t1
+        assert first < 0.5 and rest < 0.1  # later requests do not wait for Redis at all
+        assert state.mode in ("degraded", "fallback")
+        redis_server.resume()
+        await wait_for(lambda: state.mode == "shared", 5, "Redis to answer again")
+    finally:
+        redis_server.resume()
+        await state.stop()
+
+
+async def test_a_replica_that_starts_without_redis_serves_its_share_after_a_lease(redis_server):
+    redis_server.stop()
+    cfg = config(redis_server.url, key_prefix="s", sync_interval_s=0.05, lease_s=0.6, timeout_s=0.05, expected_replicas=2)
+    sim = SimReplica(SharedState(cfg, replica_id="s0"), CAPACITY)
+    t0 = time.monotonic()
+    await sim.state.start()
+    assert time.monotonic() - t0 < 1.0  # start-up is not held up by Redis
+    try:
+        sim.arrive(cls=0, n=10)
+        assert sim.total_inflight == 0  # it knows nothing yet: it holds nothing
+        await wait_for(lambda: sim.total_inflight == CAPACITY // 2, 5, "its share of capacity")
+        assert sim.state.mode == "fallback"
+        redis_server.start()
+        await wait_for(lambda: sim.state.mode == "shared", 5, "Redis to be reached")
+        assert sim.state.rebuilding  # the new Redis has seen nobody: no grant grows for a lease
+        await wait_for(lambda: sim.total_inflight == CAPACITY, 5, "the whole capacity, once rebuilt")
+    finally:
+        await sim.state.stop()
