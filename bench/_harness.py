@@ -56,28 +56,39 @@ def _env(src: Path = REPO_ROOT) -> dict:
 
 
 def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, what: str, log_tail=lambda: "") -> str:
-    """Read ``proc``'s stdout (text mode) until a line starting with ``marker``; return it
-    (stripped). Used by the benchmarks and the tests alike.
+    """Read ``proc``'s stdout until a line starting with ``marker``; return it (stripped).
+    Used by the benchmarks and the tests alike.
+
+    Reads the pipe's file descriptor directly (``os.read`` after ``select``), never through
+    the file object's buffer: a buffered ``readline`` can pull several lines in at once,
+    and ``select`` then reports nothing more to read while the wanted line sits in the
+    buffer. Output after the marker line that arrived in the same read is dropped.
 
     Raises:
         RuntimeError: the process exited first, or ``timeout_s`` seconds passed (the
             process is then left running: the caller stops it); ``log_tail()`` is appended.
     """
     deadline = time.monotonic() + timeout_s
+    fd = proc.stdout.fileno()
+    pending = b""
+    want = marker.encode()
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeError(f"{what} not ready in {timeout_s} s; log:\n{log_tail()}")
             if not sel.select(remaining):
                 continue
-            line = proc.stdout.readline()
-            if not line:  # EOF: the process exited
+            chunk = os.read(fd, 65536)
+            if not chunk:  # EOF: the process exited
                 proc.wait()
                 raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log_tail()}")
-            if line.startswith(marker):
-                return line.strip()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.startswith(want):
+                    return line.decode("utf-8", "replace").strip()
 
 
 def _wait_line(proc: subprocess.Popen, mark: str, timeout_s: float, what: str, log: Path | None) -> None:
