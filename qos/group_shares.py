@@ -80,6 +80,13 @@ class GroupShares:
         if self._served[group] < floor:
             self._served[group] = floor
 
+    def share(self, group: str) -> float:
+        """``group``'s decayed fraction of all dispatched cost now (0.0 when nothing has
+        been dispatched)."""
+        self._decay(self._clock())
+        total = sum(self._served.values())
+        return self._served.get(group, 0.0) / total if total > 0 else 0.0
+
     def most_owed(self, candidates: Iterable[tuple[str, float]]) -> str | None:
         """Among ``(group, min_share)`` pairs (classes with work waiting), the one furthest
         below its share, or ``None`` when none is below."""
@@ -99,6 +106,10 @@ class GroupShares:
         if r is None or r[1] <= 0:
             return float(max_output_tokens)
         return max_output_tokens * r[0] / r[1]
+
+    def forget(self, user_id: str) -> None:
+        """Drop ``user_id``'s output ratio (its state is being forgotten)."""
+        self._output_ratio.pop(user_id, None)
 
     def learn_output(self, user_id: str, max_output_tokens: int, output_tokens: int) -> None:
         """Record that a request estimated at ``max_output_tokens`` produced ``output_tokens``."""
