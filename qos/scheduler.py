@@ -354,13 +354,14 @@ class Scheduler:
 
     def _evict_for(self, priority: int) -> None:
         """Make room for a request of class index ``priority`` by evicting the newest
-        waiting request of the lowest class below it that is not under its
-        ``min_share`` floor; raise QUEUE_FULL if there is none."""
+        waiting request of the lowest class below it that is above its ``min_share``
+        floor (a class with ``min_share`` whose decayed share is at or below it keeps
+        its requests); raise QUEUE_FULL if there is none."""
         for idx in range(len(self._order) - 1, priority, -1):
             gpol = self.policy.groups[idx]
             q = self._order[idx]
-            if not len(q) or (gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share):
-                continue  # a class under its floor keeps its requests
+            if not len(q) or (gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)):
+                continue  # a class not above its floor keeps its requests
             victim = q.newest()
             assert victim is not None
             self._refuse_queued(
