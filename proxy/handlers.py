@@ -30,7 +30,7 @@ from . import metrics as m
 from .assemble import relay_assembled, stream_request_body
 from .errors import error_response
 from .relay import Exchange, relay_body, relay_stream
-from .request_body import BadRequest, ParsedRequest, cap_max_tokens, parse_chat, parse_completion, parse_generate
+from .request_body import BadRequest, ParsedRequest, PromptCosts, cap_max_tokens, parse_chat, parse_completion, parse_generate
 from .state import ProxyState
 from .upstream import UpstreamError
 
@@ -43,12 +43,14 @@ _NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no o
 
 
 def _refusal_response(r: Refused) -> web.Response:
+    if r.reason is RefusalReason.TOO_LARGE:  # no retry can help
+        return error_response(400, r.detail, code=r.reason.value, param="max_tokens")
     status = 503 if r.reason in _SERVICE_UNAVAILABLE else 429
     return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s)
 
 
 async def handle_generation(
-    request: web.Request, parse: Callable[[bytes], ParsedRequest], path: str, native: bool = False
+    request: web.Request, parse: Callable[[bytes, PromptCosts], ParsedRequest], path: str, native: bool = False
 ) -> web.StreamResponse:
     """Admit, forward and relay one generation request to ``path`` upstream."""
     state = request.app[STATE]
@@ -66,7 +68,7 @@ async def handle_generation(
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
     group_name = ident.group or active.config.default_group
     try:
-        parsed = parse(raw)
+        parsed = parse(raw, active.config.cost)
         cap = active.config.group(group_name).max_tokens
         if cap is not None:
             parsed = cap_max_tokens(parsed, cap, active.config.limits.max_tokens_action == "reject")
@@ -76,7 +78,7 @@ async def handle_generation(
 
     admission = state.admission
     try:
-        ticket = await admission.acquire(ident.user_id, ident.group, parsed.prompt_tokens, parsed.max_tokens)
+        ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices)
     except Refused as r:
         now = loop.time()
         state.metrics.rejections.labels(group_name, r.reason.value).inc()
@@ -197,14 +199,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """LightLLM native ``POST /generate`` (404 unless ``upstream.kind`` is lightllm)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw: parse_generate(raw, False), "/generate", native=True)
+    return await handle_generation(request, lambda raw, costs: parse_generate(raw, False, costs), "/generate", native=True)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """LightLLM native ``POST /generate_stream`` (404 unless ``upstream.kind`` is lightllm)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw: parse_generate(raw, True), "/generate_stream", native=True)
+    return await handle_generation(request, lambda raw, costs: parse_generate(raw, True, costs), "/generate_stream", native=True)
 
 
 async def models(request: web.Request) -> web.Response:

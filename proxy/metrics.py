@@ -11,7 +11,7 @@ from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qos import Scheduler
@@ -58,7 +58,11 @@ class _SchedulerCollector(Collector):
             depth.add_metric([name], n)
         yield depth
         yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=len(s.inflight))
-        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + max output) of requests in flight.", value=s.inflight_tokens)
+        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + reserved output) of requests in flight.", value=s.inflight_tokens)
+        yield GaugeMetricFamily("llm_qos_users_tracked", "Users whose fair-share state the scheduler keeps now.", value=s.users_tracked)
+        yield CounterMetricFamily(
+            "llm_qos_users_forgotten", "Users whose fair-share state was forgotten (idle past admission.forget_users_after_s, or beyond admission.max_users).", value=s.users_forgotten
+        )
 
 
 class Metrics:
