@@ -4,21 +4,30 @@ The algorithm is the Virtual Token Counter (VTC) of Sheng et al., "Fairness in S
 Large Language Models" (OSDI 2024), extended with weights as in start-time fair queueing,
 and with the accounting made robust against clients that game it:
 
-* Each user ``u`` has a **confirmed counter** ``c_u``: the cost (token units, see
+* Each user ``u`` has a **counter** ``c_u``: the cost (token units, see
   :class:`qos.policy.CostModel`) of the service it has been *seen to receive*, divided by
   its weight: output tokens as they are produced, the prompt and the real counts when a
-  request ends (VTC's own rule). A request's ``max_tokens`` never enters it.
-* Each user also has a **pending** part ``p_u`` (token units): the refundable estimate of
-  its requests in flight (estimated prompt plus reserved output not produced yet). Users
-  are ordered by their **key** ``k_u = c_u + p_u / w_u``, so requests in flight throttle
-  their user, but ``p_u`` never moves anybody else.
+  request ends (VTC's own rule), plus the lifts below. A request's ``max_tokens`` never
+  enters it.
+* Each user also has a **pending** part ``p_u`` (token units): the *expected* cost of its
+  requests in flight not confirmed yet (:class:`qos.usage_model.UsageModel`: the
+  request's estimates scaled by how the user's own recent requests turned out; output
+  expected 0 until one has ended). Users are ordered by their **key**
+  ``k_u = c_u + p_u / w_u``, so requests in flight throttle their user.
 * The next request served is the head of the queue of the *backlogged* user (one with a
   request waiting) whose key is smallest; ties go to the earlier arrival.
-* The class's **virtual time** ``V`` is the largest confirmed counter a user had when it
-  was picked. A user that becomes backlogged is lifted to ``c_u = max(c_u, V)``: idle time
-  is not banked as credit, and since ``V`` is built from confirmed counters only, no
-  refund can later take the ground a newcomer was lifted to out from under it (a gamer's
-  inflated, refundable estimates are pending, and pending never lifts anybody).
+* The class's **virtual time** ``V`` is the largest key a user had when it was picked
+  (start-time fair queueing's virtual time, on keys): where the users served now stand.
+  A user that becomes backlogged is lifted so that its key is at least ``V``:
+  ``c_u = max(c_u, V - p_u / w_u)``. Idle time is not banked as credit (the others'
+  progress while it did not wait moved ``V``), a returning user gets no head start over
+  the users waiting (``V`` includes their expected costs in flight), and a closed-loop
+  client whose queue empties between two requests loses nothing (its own requests in
+  flight count for it, and a user below ``V`` is one that ``V`` has not passed: it was
+  picked at ``V`` or before). What a later refund can take from under a lifted user is
+  only the *error* of the expectations in flight when ``V`` was set, which the usage
+  model keeps small: a reservation (``max_tokens``) is never part of it, and a user
+  whose requests are refused or abandoned is expected to cost nothing after a few.
 * Counters are kept relative to the class: when ``V`` grows past :data:`REBASE_AT` every
   counter of the class (and ``V``) is shifted down by ``V``, so ordinary costs never
   vanish in float rounding next to a huge value (O(members) per shift, amortized over at
@@ -36,6 +45,7 @@ compacted when stale entries pile up), O(1) in the number of queued requests.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from .ticket import Ticket
@@ -45,6 +55,8 @@ REBASE_AT = 2.0**40
 Below ``2 * REBASE_AT`` a float still resolves 1/4096 of a token unit."""
 
 _KEY_EPS = 1e-12  # a key change below this (relative) does not re-sort the heap
+_STAMPS = itertools.count(1)  # heap-entry versions, unique across accounts and their
+# reincarnations (a forgotten user's old entries must never match its new account)
 
 
 @dataclass(slots=True)
@@ -60,7 +72,8 @@ class UserAccount:
         counter: confirmed counter (token units / weight), relative to its class.
         pending: refundable estimate of the requests in flight (token units).
         inflight: the user's requests in flight.
-        version: bumped whenever the heap entry of this user goes stale.
+        version: stamp of the user's valid heap entry (a fresh one whenever the old
+            entry goes stale; stamps are never reused).
         queue: the user's waiting tickets in arrival order (insertion-ordered dict).
         recent: decayed confirmed cost (token units), for status pages.
         recent_at: clock reading ``recent`` was last decayed to.
@@ -145,7 +158,7 @@ class FairQueue:
     # ---------------------------------------------------------------- the heap
 
     def _push(self, acct: UserAccount, seq: int) -> None:
-        acct.version += 1
+        acct.version = next(_STAMPS)
         heap = self._heap
         heapq.heappush(heap, (acct.key, seq, acct.version, acct.user_id))
         if len(heap) > 2 * len(self._backlogged) + 64:
@@ -177,10 +190,13 @@ class FairQueue:
             self._zero_lane[ticket.seq] = ticket
             return
         was_idle = not acct.queue
+        if was_idle and lift:
+            # lift the user's key (its own requests in flight count) to the virtual time
+            need = self.vtime - acct.pending / acct.weight
+            if acct.counter < need:
+                acct.counter = need
         acct.queue[ticket.seq] = ticket
         if was_idle:
-            if lift and acct.counter < self.vtime:
-                acct.counter = self.vtime
             self._backlogged[acct.user_id] = acct
             self._push(acct, ticket.seq)
 
@@ -204,11 +220,11 @@ class FairQueue:
         if head is None:
             return None
         ticket, acct = head
-        self.remove(ticket, acct)
-        if acct.weight > 0 and acct.counter > self.vtime:
-            self.vtime = acct.counter
+        if acct.weight > 0 and acct.key > self.vtime:
+            self.vtime = acct.key
             if self.vtime > REBASE_AT:
                 self.rebase(self.vtime)
+        self.remove(ticket, acct)
         return ticket
 
     def remove(self, ticket: Ticket, acct: UserAccount) -> None:
@@ -220,7 +236,7 @@ class FairQueue:
             return
         if not acct.queue:
             self._backlogged.pop(acct.user_id, None)
-            acct.version += 1  # invalidates its heap entry
+            acct.version = next(_STAMPS)  # invalidates its heap entry
         elif ticket.seq < next(iter(acct.queue)):
             # the head changed; the entry's tie-break seq follows the new head
             self._push(acct, next(iter(acct.queue)))

@@ -48,6 +48,7 @@ from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
 from .policy import MAX_CHOICES, SchedulerPolicy, UserPolicy, clamp_count
 from .rate_limit import RateLimiter
+from .usage_model import UsageModel
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
 Clock = Callable[[], float]
@@ -101,6 +102,7 @@ class Scheduler:
         self._accounts: dict[str, UserAccount] = {}
         self._idle: OrderedDict[str, float] = OrderedDict()  # user -> clock when it went idle
         self._shares = GroupShares(policy.share_window_s, clock)  # for min_share
+        self._usage = UsageModel()  # what each user's requests are expected to cost
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
         self.queued = 0
@@ -238,7 +240,7 @@ class Scheduler:
         q = self._queues.get(acct.group)
         if q is not None:
             q.members.pop(user_id, None)
-        self._shares.forget(user_id)
+        self._usage.forget(user_id)
         self.users_forgotten += 1
 
     def _maybe_idle(self, acct: UserAccount) -> None:
@@ -419,13 +421,16 @@ class Scheduler:
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = self._clock()
         self.inflight.add(ticket)
+        cost = policy.cost
+        ticket.expected_prompt, ticket.expected_output = self._usage.expected(
+            ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens, ticket.choices, cost.max_tokens_ceiling
+        )
         ticket.confirmed = 0.0
-        ticket.pending = policy.cost.cost(ticket.prompt_tokens, ticket.max_output_tokens)
+        ticket.pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * ticket.expected_output
         acct.inflight += 1
         queue.charge(acct, 0.0, ticket.pending)
-        share_cost = policy.cost.cost(ticket.prompt_tokens, self._shares.expected_output(ticket.user_id, ticket.max_output_tokens))
-        ticket.share_charged = share_cost
-        self._shares.add(ticket.group, share_cost)
+        ticket.share_charged = ticket.pending
+        self._shares.add(ticket.group, ticket.pending)
         self._on_admit(ticket)
 
     # ------------------------------------------------------------- lifecycle
@@ -460,8 +465,8 @@ class Scheduler:
         """Report that ``ticket`` has produced ``output_tokens`` so far (cumulative).
 
         The output is confirmed service: the user's counter is charged for it now (and
-        the pending estimate shrinks by as much while within the reservation), so a
-        request pays as it streams, whatever its ``max_tokens``.
+        the pending expectation shrinks by as much while within it), so a request pays
+        as it streams, whatever its ``max_tokens``.
         """
         if ticket.state is not TicketState.ADMITTED or output_tokens <= ticket.output_tokens:
             return
@@ -471,7 +476,7 @@ class Scheduler:
         cost = self.policy.cost
         confirmed = cost.output_weight * (out - ticket.output_tokens)
         ticket.output_tokens = out
-        pending = cost.input_weight * ticket.prompt_tokens + cost.output_weight * max(0, ticket.max_output_tokens - out)
+        pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * max(0.0, ticket.expected_output - out)
         delta, ticket.pending = pending - ticket.pending, pending
         ticket.confirmed += confirmed
         acct = self._accounts[ticket.user_id]
@@ -516,7 +521,7 @@ class Scheduler:
         # dispatch would count as service the class never got (or did not pay for)
         self._shares.add(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
         ticket.share_charged = actual
-        self._shares.learn_output(ticket.user_id, ticket.max_output_tokens, out)
+        self._usage.learn(ticket.user_id, ticket.prompt_tokens, prompt, ticket.max_output_tokens, out)
         self.rate_limiter.settle(ticket.rate, prompt + out, now)
         self._maybe_idle(acct)
         self._dispatch()
@@ -578,6 +583,17 @@ class Scheduler:
         """The key that orders every user tracked: confirmed counter plus the pending
         estimate of its requests in flight, per weight."""
         return {uid: a.key for uid, a in self._accounts.items()}
+
+    def user_state(self, user_id: str) -> dict | None:
+        """One user's fair-share state (JSON-ready), or ``None`` if not tracked:
+        class, weight, counter, pending, key, requests queued and in flight."""
+        a = self._accounts.get(user_id)
+        if a is None:
+            return None
+        return {
+            "user": a.user_id, "group": a.group, "weight": a.weight, "counter": a.counter, "pending": a.pending,
+            "key": a.key, "queued": len(a.queue), "inflight": a.inflight,
+        }  # fmt: skip
 
     @property
     def users_tracked(self) -> int:

@@ -64,10 +64,12 @@ class Ticket:
             service this request has been seen to receive: output as it is produced,
             and at the end the real prompt and output counts. Confirmed cost is what a
             user's fair-share counter holds.
-        pending: the refundable estimate of the rest while in flight (token units):
-            the estimated prompt plus the reserved output not produced yet. It orders
-            the user (so requests in flight throttle it) but never lifts anybody; it
-            is 0 once the ticket is released.
+        pending: the expected cost of the rest while in flight (token units): the
+            expected prompt plus the expected output not produced yet
+            (:class:`qos.usage_model.UsageModel`). It orders the user, so requests in
+            flight throttle it; it is 0 once the ticket is released.
+        expected_prompt, expected_output: what the usage model expected at dispatch
+            (tokens).
         share_charged: cost counted so far toward its class's share (``min_share``): an
             estimate from the user's past output at dispatch, real counts later.
         output_tokens: output tokens reported so far.
@@ -90,6 +92,8 @@ class Ticket:
     admitted_at: float | None = None
     confirmed: float = 0.0
     pending: float = 0.0
+    expected_prompt: float = 0.0
+    expected_output: float = 0.0
     share_charged: float = 0.0
     output_tokens: int = 0
     state: TicketState = TicketState.QUEUED
