@@ -11,13 +11,15 @@ and with the accounting made robust against clients that game it:
   enters it.
 * Each user also has a **pending** part ``p_u`` (token units): the *expected* cost of its
   requests in flight not confirmed yet (:class:`qos.usage_model.UsageModel`: the
-  request's estimates scaled by how the user's own recent requests turned out; output
-  expected 0 until one has ended). Users are ordered by their **key**
+  request's estimates scaled by how the user's own recent requests turned out; little
+  output expected until one has ended). Users are ordered by their **key**
   ``k_u = c_u + p_u / w_u``, so requests in flight throttle their user.
 * The next request served is the head of the queue of the *backlogged* user (one with a
   request waiting) whose key is smallest; ties go to the earlier arrival.
 * The class's **virtual time** ``V`` is the largest key a user had when it was picked
-  (start-time fair queueing's virtual time, on keys): where the users served now stand.
+  (start-time fair queueing's virtual time, on keys), less the *speculative* part of its
+  pending (what a user with no finished request yet claims: see
+  :mod:`qos.usage_model`): where the users served now stand.
   A user that becomes backlogged is lifted so that its key is at least ``V``:
   ``c_u = max(c_u, V - p_u / w_u)``. Idle time is not banked as credit (the others'
   progress while it did not wait moved ``V``), a returning user gets no head start over
@@ -25,9 +27,10 @@ and with the accounting made robust against clients that game it:
   client whose queue empties between two requests loses nothing (its own requests in
   flight count for it, and a user below ``V`` is one that ``V`` has not passed: it was
   picked at ``V`` or before). What a later refund can take from under a lifted user is
-  only the *error* of the expectations in flight when ``V`` was set, which the usage
-  model keeps small: a reservation (``max_tokens``) is never part of it, and a user
-  whose requests are refused or abandoned is expected to cost nothing after a few.
+  only the *error* of learned expectations in flight when ``V`` was set, which the usage
+  model keeps small: a user whose requests are refused or abandoned is expected to cost
+  nothing after a few, and a new identity's claims (``max_tokens`` among them) never
+  enter ``V`` at all.
 * Counters are kept relative to the class: when ``V`` grows past :data:`REBASE_AT` every
   counter of the class (and ``V``) is shifted down by ``V``, so ordinary costs never
   vanish in float rounding next to a huge value (O(members) per shift, amortized over at
@@ -70,7 +73,10 @@ class UserAccount:
         requested_group: the class a trusted source named with the user's latest
             request (``None``: the policy decides); kept so a reload can re-place it.
         counter: confirmed counter (token units / weight), relative to its class.
-        pending: refundable estimate of the requests in flight (token units).
+        pending: expected cost of the requests in flight not confirmed yet (token units).
+        speculative: the part of ``pending`` that is a new user's own claim
+            (:attr:`qos.Ticket.speculative`); it orders the user but never moves the
+            virtual time.
         inflight: the user's requests in flight.
         version: stamp of the user's valid heap entry (a fresh one whenever the old
             entry goes stale; stamps are never reused).
@@ -85,6 +91,7 @@ class UserAccount:
     requested_group: str | None = None
     counter: float = 0.0
     pending: float = 0.0
+    speculative: float = 0.0
     inflight: int = 0
     version: int = 0
     queue: dict[int, Ticket] = field(default_factory=dict)
@@ -220,10 +227,13 @@ class FairQueue:
         if head is None:
             return None
         ticket, acct = head
-        if acct.weight > 0 and acct.key > self.vtime:
-            self.vtime = acct.key
-            if self.vtime > REBASE_AT:
-                self.rebase(self.vtime)
+        if acct.weight > 0:
+            # a new user's own claims (speculative) never move the virtual time
+            v = acct.key - acct.speculative / acct.weight
+            if v > self.vtime:
+                self.vtime = v
+                if v > REBASE_AT:
+                    self.rebase(v)
         self.remove(ticket, acct)
         return ticket
 
@@ -243,16 +253,18 @@ class FairQueue:
 
     # ----------------------------------------------------------------- charges
 
-    def charge(self, acct: UserAccount, confirmed: float, pending: float) -> None:
+    def charge(self, acct: UserAccount, confirmed: float, pending: float, speculative: float = 0.0) -> None:
         """Add ``confirmed`` token units to the member ``acct``'s confirmed counter
-        (divided by its weight; weight-0 users keep a counter of 0) and ``pending``
-        token units to its pending part (negative values refund)."""
+        (divided by its weight; weight-0 users keep a counter of 0), ``pending`` token
+        units to its pending part and ``speculative`` to the speculative share of that
+        (negative values refund)."""
         old = acct.key
         if confirmed and acct.weight > 0:
             acct.counter += confirmed / acct.weight
         acct.pending += pending
+        acct.speculative += speculative
         if acct.inflight == 0:
-            acct.pending = 0.0  # no float dust left once nothing is in flight
+            acct.pending = acct.speculative = 0.0  # no float dust left once nothing is in flight
         if acct.user_id in self._backlogged:
             new = acct.key
             if abs(new - old) > _KEY_EPS * max(1.0, abs(old)):

@@ -73,7 +73,8 @@ class Scheduler:
             drained at shutdown); ``ticket.refusal`` says why. Refusals at submit time
             raise instead.
         rate_limiter: the rate limits to reserve from; several schedulers (one per
-            engine pool) may share one. Default: a private :class:`RateLimiter`.
+            engine pool) may share one (its owner bounds it). Default: a private
+            :class:`RateLimiter` of ``2 * policy.max_users + 64`` buckets.
         capacity: the capacity model to ask at dispatch. Default: a
             :class:`LocalCapacity` following the policy's ``max_inflight`` and
             ``max_inflight_tokens``. Its :meth:`~qos.capacity.Capacity.configure` is
@@ -94,6 +95,7 @@ class Scheduler:
         self._clock = clock
         self._on_admit = on_admit
         self._on_refuse = on_refuse
+        self._owns_limiter = rate_limiter is None
         self.rate_limiter = rate_limiter if rate_limiter is not None else RateLimiter(max_buckets=2 * policy.max_users + 64)
         self.capacity_model: Capacity = capacity if capacity is not None else LocalCapacity(policy.max_inflight, policy.max_inflight_tokens)
         self._seq = 0
@@ -119,6 +121,8 @@ class Scheduler:
         self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
         self._order = [self._queues[g.name] for g in policy.groups]
         self.capacity_model.configure(policy)
+        if self._owns_limiter:
+            self.rate_limiter.max_buckets = 2 * policy.max_users + 64
         self._shares.configure(self._queues, policy.share_window_s)
         # every user takes the class and weight the new policy gives it, at once, its
         # queued requests included (one rule for moved, re-weighted and removed users)
@@ -422,13 +426,12 @@ class Scheduler:
         ticket.admitted_at = self._clock()
         self.inflight.add(ticket)
         cost = policy.cost
-        ticket.expected_prompt, ticket.expected_output = self._usage.expected(
-            ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens, ticket.choices, cost.max_tokens_ceiling
-        )
+        ticket.expected_prompt, ticket.expected_output = self._usage.expected(ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens)
+        ticket.speculative = not self._usage.knows(ticket.user_id)
         ticket.confirmed = 0.0
         ticket.pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * ticket.expected_output
         acct.inflight += 1
-        queue.charge(acct, 0.0, ticket.pending)
+        queue.charge(acct, 0.0, ticket.pending, ticket.pending if ticket.speculative else 0.0)
         ticket.share_charged = ticket.pending
         self._shares.add(ticket.group, ticket.pending)
         self._on_admit(ticket)
@@ -480,7 +483,7 @@ class Scheduler:
         delta, ticket.pending = pending - ticket.pending, pending
         ticket.confirmed += confirmed
         acct = self._accounts[ticket.user_id]
-        self._queues[acct.group].charge(acct, confirmed, delta)
+        self._queues[acct.group].charge(acct, confirmed, delta, delta if ticket.speculative else 0.0)
         total = cost.cost(ticket.prompt_tokens, out)
         if total > ticket.share_charged:
             self._shares.add(ticket.group, total - ticket.share_charged)
@@ -513,7 +516,7 @@ class Scheduler:
         ticket.confirmed, ticket.pending = actual, 0.0
         acct = self._accounts[ticket.user_id]
         acct.inflight -= 1
-        self._queues[acct.group].charge(acct, confirmed, pending)
+        self._queues[acct.group].charge(acct, confirmed, pending, pending if ticket.speculative else 0.0)
         window = self.policy.share_window_s
         acct.recent = acct.recent * math.exp(-max(0.0, now - acct.recent_at) / window) + actual
         acct.recent_at = now

@@ -70,6 +70,8 @@ class Ticket:
             flight throttle it; it is 0 once the ticket is released.
         expected_prompt, expected_output: what the usage model expected at dispatch
             (tokens).
+        speculative: its user had no finished request when it was dispatched, so its
+            expectation is the request's own claim (it never moves a virtual time).
         share_charged: cost counted so far toward its class's share (``min_share``): an
             estimate from the user's past output at dispatch, real counts later.
         output_tokens: output tokens reported so far.
@@ -94,6 +96,7 @@ class Ticket:
     pending: float = 0.0
     expected_prompt: float = 0.0
     expected_output: float = 0.0
+    speculative: bool = False
     share_charged: float = 0.0
     output_tokens: int = 0
     state: TicketState = TicketState.QUEUED

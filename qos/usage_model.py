@@ -10,13 +10,16 @@ scaled by how the user's recent requests turned out:
 * expected output = reserved output x (real output / reserved output of the same).
 
 Recent = exponentially weighted, each finished request weighing :data:`ALPHA` against
-the past. A user with no finished request yet is expected to produce **no output**
-(VTC's rule: output is charged as it is produced) and a prompt of at most ``cap``
-tokens; that bounds what a brand-new identity's estimates can weigh before anything is
-known about it. A gamer whose requests are refused or abandoned is learned within a few
-requests (its expectations go to 0); an honest user's errors are symmetric.
+the past; a ratio is taken at most as :data:`MAX_RATIO`. A gamer whose requests are
+refused or abandoned is learned within a few requests (its expectations go to 0); an
+honest user's errors are symmetric.
 
-Both are capped at ``cap`` tokens per choice (the cost model's ``max_tokens_ceiling``).
+A user with no finished request yet has no history: its requests are expected to use
+their estimate and their whole reservation (so a new user's first requests throttle it
+as much as they might cost), but that expectation is *speculative*: the scheduler does
+not let it move the virtual time that other users are lifted to (see
+:mod:`qos.fair_queue`), so nothing a brand-new identity claims can be refunded from
+under anyone.
 """
 
 from __future__ import annotations
@@ -38,21 +41,20 @@ class UsageModel:
     def __len__(self) -> int:
         return len(self._ratios)
 
-    def expected(self, user_id: str, prompt_tokens: int, reserved_output: int, choices: int, cap: int) -> tuple[float, float]:
-        """(prompt, output) tokens a request of ``user_id`` is expected to use.
+    def knows(self, user_id: str) -> bool:
+        """Whether ``user_id`` has a finished request to learn from."""
+        return user_id in self._ratios
 
-        Args:
-            prompt_tokens: the request's estimated prompt (tokens).
-            reserved_output: its reserved output, all choices (tokens).
-            choices: its output multiplier (the output cap is ``cap * choices``).
-            cap: tokens per choice (and for the prompt of a user with no history).
-        """
+    def expected(self, user_id: str, prompt_tokens: int, reserved_output: int) -> tuple[float, float]:
+        """(prompt, output) tokens a request of ``user_id`` with this estimated prompt
+        and this reserved output (all choices) is expected to use; the request's own
+        figures for a user with no history."""
         r = self._ratios.get(user_id)
         if r is None:
-            return float(min(prompt_tokens, cap)), 0.0
-        prompt = prompt_tokens * min(MAX_RATIO, r[0] / r[1]) if r[1] > 0 else float(min(prompt_tokens, cap))
+            return float(prompt_tokens), float(reserved_output)
+        prompt = prompt_tokens * min(MAX_RATIO, r[0] / r[1]) if r[1] > 0 else float(prompt_tokens)
         output = reserved_output * min(MAX_RATIO, r[2] / r[3]) if r[3] > 0 else 0.0
-        return prompt, min(output, float(cap * choices))
+        return prompt, output
 
     def learn(self, user_id: str, prompt_estimate: int, prompt_real: int, reserved_output: int, output_real: int) -> None:
         """Record how one finished request of ``user_id`` turned out (tokens)."""

@@ -155,9 +155,9 @@ def test_true_up_at_release_changes_order(real_output, next_user):
     a2 = h.submit("A", 10)  # (A still has a1 waiting: no lift)
     h.release_exact(b0)
     assert a1.state is TicketState.ADMITTED
-    # max_tokens is only a reservation: neither service nor expected cost (A has no
-    # finished request yet, so no output is expected: VTC charges output as produced)
-    assert h.s.order_keys()["A"] == 10 and h.s.counters()["A"] == 0
+    # A has no finished request yet: its request weighs what it claims (its estimate and
+    # its max_tokens) while it runs; that orders A, it is not service
+    assert h.s.order_keys()["A"] == 1010 and h.s.counters()["A"] == 0
     h.s.release(a1, output_tokens=real_output)
     assert h.s.counters()["A"] == 10 + real_output
     assert h.s.order_keys()["A"] == 10 + real_output + a2.charged  # a2.charged: 0 unless admitted
@@ -167,7 +167,7 @@ def test_true_up_at_release_changes_order(real_output, next_user):
 def test_release_with_real_prompt_tokens_trues_up_prompt_too():
     h = Harness(pol(max_inflight=1))
     t = h.submit("A", 100, 50)
-    assert h.s.order_keys()["A"] == 100 and h.s.counters()["A"] == 0
+    assert h.s.order_keys()["A"] == 150 and h.s.counters()["A"] == 0
     assert h.s.release(t, prompt_tokens=40, output_tokens=10)
     assert h.s.counters()["A"] == 50
     assert t.charged == 50
@@ -178,7 +178,7 @@ def test_record_output_charges_streaming_beyond_estimate():
     a = h.submit("A", 10, 10)  # charged 20
     h.submit("A", 10)
     b = h.submit("B", 10)
-    assert h.s.order_keys()["A"] == 10
+    assert h.s.order_keys()["A"] == 20
     h.s.record_output(a, 500)
     # the output is confirmed as produced; the prompt stays an estimate until the end
     assert h.s.order_keys()["A"] == 510 and a.charged == 510 and h.s.counters()["A"] == 500
