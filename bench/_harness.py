@@ -111,10 +111,15 @@ def _popen(cmd: list[str], log: Path, cpus: set[int] | None, src: Path = REPO_RO
         )
 
 
-def start_fake_upstream(port: int, workdir: Path, ttft_s: float = 0.0, itl_s: float = 0.0, cpus: set[int] | None = None) -> subprocess.Popen:
-    """``python -m bench.fake_upstream`` on 127.0.0.1:``port``; returns once it listens."""
+def start_fake_upstream(
+    port: int, workdir: Path, ttft_s: float = 0.0, itl_s: float = 0.0, cpus: set[int] | None = None, max_model_len: int | None = None
+) -> subprocess.Popen:
+    """``python -m bench.fake_upstream`` on 127.0.0.1:``port``; returns once it listens.
+    ``max_model_len``: refuse longer requests with a 400, as vLLM does."""
     log = workdir / f"fake-upstream-{port}.log"
     cmd = [sys.executable, "-m", "bench.fake_upstream", "--port", str(port), "--ttft-s", str(ttft_s), "--itl-s", str(itl_s)]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     proc = _popen(cmd, log, cpus)
     _wait_line(proc, "fake upstream ready", 30, "fake upstream", log)
     return proc

@@ -14,6 +14,7 @@ user over time (``docs/img/fairness.png``).
 
     .venv/bin/python -m bench.fairness            # about 2 minutes
     .venv/bin/python -m bench.fairness --quick    # about 30 seconds, shorter runs (plot in /tmp)
+    .venv/bin/python -m bench.fairness --adversarial   # gamers vs honest users, live (bench/adversarial.py)
 
 The workload and engine model are described in :mod:`bench.workload`; the results and
 what they mean in ``docs/scheduling.md``.
@@ -42,6 +43,7 @@ from .workload import MIN_SHARE, Scenario, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "fairness.png"
+ADVERSARIAL_PLOT = ROOT / "docs" / "img" / "fairness_adversarial.png"
 QUICK_PLOT = Path(tempfile.gettempdir()) / "llm-qos-fairness-quick.png"  # not the documented one
 MAX_WINDOW_ERR = 0.03
 MICRO_LIMIT_US = 20.0
@@ -164,8 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-live", action="store_true", help="skip the live run")
     ap.add_argument("--plot", default=None, help=f"where to save the plot (PNG; default {PLOT.relative_to(ROOT)}, with --quick {QUICK_PLOT})")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--adversarial", action="store_true", help="run the adversarial scenario instead (bench/adversarial.py): one gamer per attack, live through the proxy process")
+    ap.add_argument("--duration", type=float, default=110.0, help="--adversarial: seconds per run (default 110)")
+    ap.add_argument("--churn", type=int, default=100_000, help="--adversarial: distinct identities (default 100 000)")
+    ap.add_argument("--old-ref", default=None, help="--adversarial: git ref of the old accounting to compare (default: the commit before issue 10)")
+    ap.add_argument("--no-old", action="store_true", help="--adversarial: skip the old accounting")
+    ap.add_argument("--max-inflight", type=int, default=48, help="--adversarial: admission.max_inflight (default 48)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
+    if a.adversarial:
+        return adversarial(a, t_start)
 
     sc = Scenario(duration_s=400.0 if a.quick else 1200.0)
     speedup = 4.0 if a.quick else 2.0
@@ -242,6 +252,23 @@ def main(argv: list[str] | None = None) -> int:
     plot(sim_runs, live_runs, sc, speedup, live_warmup, path)
     print(f"\nplot: {path}\ntotal {time.monotonic() - t_start:.0f} s")
     return 1 if a.check and any(ok is False for _n, ok, _d in checks) else 0
+
+
+def adversarial(a: argparse.Namespace, t_start: float) -> int:
+    """``--adversarial``: the scenario of :mod:`bench.adversarial`, printed as a table."""
+    from .adversarial import OLD_REF, main_async
+
+    print((__import__("bench.adversarial", fromlist=["x"]).__doc__ or "").split("\n\n")[0].replace("\n", " "))
+    warmup = min(15.0, a.duration / 4)
+    window = 30.0 if a.duration - warmup >= 30.0 else (a.duration - warmup) / 2
+    path = Path(a.plot) if a.plot else ADVERSARIAL_PLOT
+    report, ok = asyncio.run(
+        main_async(a.duration, warmup, window, a.churn, None if a.no_old else (a.old_ref or OLD_REF), path, rate=6000.0, max_inflight=a.max_inflight)
+    )
+    print(f"\n{a.duration:g} s per run, first {warmup:g} s not measured, windows of {window:g} s sliding by 1 s\n")
+    print(report)
+    print(f"\ntargets (new accounting): {'met' if ok else 'MISSED'}\nplot: {path}\ntotal {time.monotonic() - t_start:.0f} s")
+    return 1 if a.check and not ok else 0
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@ with ``max_tokens`` tokens (default 16), after ``ttft_s`` seconds for the first 
 serve sends it) unless the request asks ``stream_options.include_usage``: then, as vLLM
 and OpenAI, a separate last chunk with ``choices: []`` carries it. Per-request overrides ride in the body (the proxy forwards the
 body unchanged): ``"fake": {"ttft_s": 0.5, "itl_s": 0.01, "no_done": true,
-"usage": false, "fail_after": 3, "status": 500}``.
+"usage": false, "fail_after": 3, "status": 500, "prompt": 5000}`` (``prompt``: the prompt
+tokens to report in ``usage``, default 10). With ``max_model_len`` set (``--max-model-len``),
+a request whose ``max_tokens`` plus prompt exceeds it is refused at once with a 400, the way
+vLLM refuses it.
 
 ``GET /stats`` returns counters: streams/requests started, completed, aborted (the client
-closed the connection before the end), tokens sent, and how many are active now.
+closed the connection before the end), refused (400 for max_tokens), tokens sent, and how
+many are active now.
 ``POST /stats/reset`` zeroes them. ``GET /v1/models`` lists one model.
 
 Run standalone: ``python -m bench.fake_upstream --port 9000 --itl-s 0.01``.
@@ -37,6 +41,7 @@ class Stats:
     aborted: int = 0
     tokens_sent: int = 0
     active: int = 0
+    refused: int = 0
     tags: list = field(default_factory=list)  # body "fake.tag" of each request, in start order
     authorization: list = field(default_factory=list)  # Authorization header of each request
 
@@ -48,6 +53,7 @@ class Timing:
 
     ttft_s: float = 0.0
     itl_s: float = 0.0
+    max_model_len: int | None = None
 
 
 STATS = web.AppKey("stats", Stats)
@@ -74,9 +80,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if "status" in fake:
         return web.json_response({"error": {"message": "fake failure", "type": "server_error"}}, status=fake["status"])
     n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+    prompt = int(fake.get("prompt", 10))
+    if timing.max_model_len is not None and prompt + n > timing.max_model_len:
+        stats.refused += 1
+        msg = (
+            f"This model's maximum context length is {timing.max_model_len} tokens. However, you requested "
+            f"{prompt + n} tokens ({prompt} in the messages, {n} in the completion)."
+        )
+        return web.json_response({"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}, status=400)
     ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", timing.itl_s))
     fail_after = fake.get("fail_after")
-    prompt = 10
     created = int(time.time())
     stats.started += 1
     stats.active += 1
@@ -160,18 +173,18 @@ async def stats(request: web.Request) -> web.Response:
 
 async def reset(request: web.Request) -> web.Response:
     s = request.app[STATS]
-    s.started = s.completed = s.aborted = s.tokens_sent = 0
+    s.started = s.completed = s.aborted = s.tokens_sent = s.refused = 0
     s.tags.clear()
     s.authorization.clear()
     return web.json_response(asdict(s))
 
 
-def make_app(ttft_s: float = 0.0, itl_s: float = 0.0) -> web.Application:
+def make_app(ttft_s: float = 0.0, itl_s: float = 0.0, max_model_len: int | None = None) -> web.Application:
     """The fake upstream app (serve it with ``handler_cancellation=True`` so aborts are
     seen as soon as the client closes)."""
     app = web.Application()
     app[STATS] = Stats()
-    app[TIMING] = Timing(ttft_s, itl_s)
+    app[TIMING] = Timing(ttft_s, itl_s, max_model_len)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -186,6 +199,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--ttft-s", type=float, default=0.0)
     ap.add_argument("--itl-s", type=float, default=0.0)
+    ap.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this with a 400")
     a = ap.parse_args()
     try:
         import uvloop
@@ -193,7 +207,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(make_app(a.ttft_s, a.itl_s), host=a.host, port=a.port, handler_cancellation=True, access_log=None, print=lambda *_: print(f"fake upstream ready on http://{a.host}:{a.port}", flush=True))
+    web.run_app(make_app(a.ttft_s, a.itl_s, a.max_model_len), host=a.host, port=a.port, handler_cancellation=True, access_log=None, print=lambda *_: print(f"fake upstream ready on http://{a.host}:{a.port}", flush=True))
 
 
 if __name__ == "__main__":

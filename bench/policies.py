@@ -29,6 +29,7 @@ class _ArrivalQueue(FairQueue):
         return None
 
     def head(self) -> Ticket | None:
+        self._sort()
         return self._tickets[next(iter(self._tickets))] if self._tickets else None
 
 
@@ -105,13 +106,13 @@ class FCFSScheduler(Scheduler):
         super().__init__(policy, *args, **kw)
         _swap_queues(self, FIFOQueue)
 
-    def _pick_queue(self) -> FairQueue | None:
+    def _candidates(self) -> list[FairQueue]:
         best, best_seq = None, None
         for q in self._order:
             t = q.head()  # type: ignore[attr-defined]
             if t is not None and (best_seq is None or t.seq < best_seq):
                 best, best_seq = q, t.seq
-        return best
+        return [] if best is None else [best]
 
 
 class RequestCountScheduler(Scheduler):
@@ -140,11 +141,11 @@ class RequestCountScheduler(Scheduler):
             q = self._quota_cache[group] = {u: w / total for u, w in members.items()} if total else {}
         return q
 
-    def _pick_queue(self) -> FairQueue | None:
+    def _candidates(self) -> list[FairQueue]:
         for q in self._order:  # strict priority, no min_share
             if len(q):
-                return q
-        return None
+                return [q]
+        return []
 
 
 POLICIES = ("ours", "fcfs", "reqcount")

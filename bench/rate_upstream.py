@@ -9,7 +9,10 @@ stream), more concurrent requests means slower ones, as on a real engine.
 ``POST /v1/chat/completions`` only, streaming (SSE, one event per token, several events per
 write). The body's ``fake`` object carries the benchmark's bookkeeping: ``user`` (whose
 tokens these are), ``n`` (tokens to generate, capped by ``max_tokens``), ``prompt`` (the
-prompt tokens to report in ``usage``) and ``rid`` (request id). ``GET /stats`` returns, per
+prompt tokens to prefill and report in ``usage``), ``usage`` (false: no usage in the last
+event, as when a client did not ask for it) and ``rid`` (request id). With
+``--max-model-len``, a request whose prompt plus ``max_tokens`` exceeds it is refused at
+once with a 400, as vLLM refuses it. ``GET /stats`` returns, per
 request, its arrival, first-token and end times (``time.monotonic()``, comparable across
 processes on Linux) and token counts, and per user the cumulative weighted tokens
 (prompt x1 when prefill ends, output x2 as generated) sampled every ``sample_s``.
@@ -51,8 +54,12 @@ class _Stream:
 class RateEngine:
     """The shared-rate engine; one per app."""
 
-    def __init__(self, rate: float, max_stream_rate: float, prefill_rate: float, tick_s: float = 0.01, sample_s: float = 0.1) -> None:
+    def __init__(
+        self, rate: float, max_stream_rate: float, prefill_rate: float, tick_s: float = 0.01, sample_s: float = 0.1, max_model_len: int | None = None
+    ) -> None:
         self.rate, self.max_stream_rate, self.prefill_rate = rate, max_stream_rate, prefill_rate
+        self.max_model_len = max_model_len
+        self.refused = 0
         self.tick_s, self.sample_s = tick_s, sample_s
         self.decoding: list[_Stream] = []
         self._task: asyncio.Task | None = None
@@ -116,13 +123,14 @@ class RateEngine:
 ENGINE = web.AppKey("engine", RateEngine)
 
 
-def _final(n: int, prompt: int) -> bytes:
-    obj = {
+def _final(n: int, prompt: int, usage: bool = True) -> bytes:
+    obj: dict = {
         "object": "chat.completion.chunk",
         "model": MODEL,
         "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
     }
+    if usage:
+        obj["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
     return b"data: " + orjson.dumps(obj) + b"\n\ndata: [DONE]\n\n"
 
 
@@ -132,9 +140,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = orjson.loads(await request.read())
     fake = body.get("fake") or {}
     cap = body.get("max_tokens") or body.get("max_completion_tokens")
+    prompt = int(fake.get("prompt", 10))
+    if eng.max_model_len is not None and cap is not None and prompt + int(cap) > eng.max_model_len:
+        eng.refused += 1
+        msg = f"This model's maximum context length is {eng.max_model_len} tokens. However, you requested {prompt + int(cap)} tokens."
+        return web.json_response({"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}, status=400)
     n = int(fake.get("n", cap or 16))
     n = max(1, n if cap is None else min(int(cap), n))
-    prompt = int(fake.get("prompt", 10))
     s = _Stream(str(fake.get("user", "?")), n, prompt, int(fake.get("rid", -1)), arrived)
     rec = {"rid": s.rid, "user": s.user, "arrived": arrived, "first": None, "ended": None, "tokens": 0, "prompt": prompt}
     eng.records.append(rec)
@@ -159,7 +171,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                 rec["tokens"] = s.sent
             if s.done and s.sent >= s.n:
                 break
-        await resp.write(_final(s.n, prompt))
+        await resp.write(_final(s.n, prompt, fake.get("usage", True) is not False))
         await resp.write_eof()
         rec["ended"] = time.monotonic()
         return resp
@@ -181,7 +193,7 @@ async def models(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     eng = request.app[ENGINE]
     return web.Response(
-        body=orjson.dumps({"records": eng.records, "samples": eng.samples, "tokens_sent": eng.tokens_sent, "decoding": len(eng.decoding)}),
+        body=orjson.dumps({"records": eng.records, "samples": eng.samples, "tokens_sent": eng.tokens_sent, "decoding": len(eng.decoding), "refused": eng.refused}),
         content_type="application/json",
     )
 
@@ -191,10 +203,12 @@ async def reset(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def make_app(rate: float, max_stream_rate: float = math.inf, prefill_rate: float = 0.0, tick_s: float = 0.01, sample_s: float = 0.1) -> web.Application:
+def make_app(
+    rate: float, max_stream_rate: float = math.inf, prefill_rate: float = 0.0, tick_s: float = 0.01, sample_s: float = 0.1, max_model_len: int | None = None
+) -> web.Application:
     """The upstream app (serve with ``handler_cancellation=True``)."""
     app = web.Application()
-    eng = app[ENGINE] = RateEngine(rate, max_stream_rate, prefill_rate, tick_s, sample_s)
+    eng = app[ENGINE] = RateEngine(rate, max_stream_rate, prefill_rate, tick_s, sample_s, max_model_len)
 
     async def on_startup(_app: web.Application) -> None:
         eng.start()
@@ -212,7 +226,7 @@ def make_app(rate: float, max_stream_rate: float = math.inf, prefill_rate: float
 
 
 async def _serve(a: argparse.Namespace) -> None:
-    app = make_app(a.rate, a.max_stream_rate, a.prefill_rate, a.tick_s, a.sample_s)
+    app = make_app(a.rate, a.max_stream_rate, a.prefill_rate, a.tick_s, a.sample_s, a.max_model_len)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", a.port, backlog=4096)
@@ -236,6 +250,7 @@ def main() -> None:
     ap.add_argument("--tick-s", type=float, default=0.01)
     ap.add_argument("--sample-s", type=float, default=0.1)
     ap.add_argument("--max-lifetime-s", type=float, default=900.0)
+    ap.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this with a 400")
     a = ap.parse_args()
     try:
         import uvloop

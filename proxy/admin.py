@@ -56,11 +56,24 @@ def redacted_config(config) -> dict:
     return data
 
 
+STATUS_TOP_USERS = 20  # users listed by /admin/status unless ?top= says otherwise
+STATUS_MAX_TOP_USERS = 1000
+
+
 async def status(request: web.Request) -> web.Response:
-    """``GET /admin/status``: queues, in-flight requests and per-user counters."""
+    """``GET /admin/status[?top=N]``: queues, in-flight requests, per-class virtual
+    time, and the ``N`` users with the most recent service (default 20, at most 1000)
+    with the count of all users tracked; never every user (their number is bounded
+    only by ``admission.max_users``)."""
     if (denied := check_admin(request)) is not None:
         return denied
-    return web.json_response(request.app[STATE].admission.scheduler.snapshot())
+    raw = request.query.get("top", "")
+    top = STATUS_TOP_USERS
+    if raw:
+        if not raw.isdigit():
+            return error_response(400, "'top' must be a whole number", code="invalid_request", param="top")
+        top = min(int(raw[:6]), STATUS_MAX_TOP_USERS)
+    return web.json_response(request.app[STATE].admission.scheduler.snapshot(top_users=top))
 
 
 async def config(request: web.Request) -> web.Response:

@@ -48,25 +48,39 @@ class Admission:
         if fut is not None and not fut.done():
             fut.set_exception(_fresh(ticket.refusal))
 
-    async def acquire(self, user_id: str, group: str | None, prompt_tokens: int, max_tokens: int | None) -> Ticket:
+    async def acquire(
+        self,
+        user_id: str,
+        group: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        choices: int = 1,
+        output_ceiling: int | None = None,
+    ) -> Ticket:
         """Wait until the request may go upstream.
 
         Args:
-            user_id, group: the caller (group ``None``: the user's configured one).
+            user_id: the caller.
+            group: a class chosen for this request by a trusted source, or ``None``
+                (the policy's: a listed user's own class, else the default one). Never
+                pass the user's *configured* class here: after a reload removes the
+                user, its queued requests must follow the new policy, not the old file.
             prompt_tokens: estimated prompt length (tokens).
-            max_tokens: the request's output cap (tokens) or ``None``.
+            max_tokens: the request's output cap per choice (tokens) or ``None``.
+            choices: the output multiplier (``max(n, best_of)`` x prompts).
+            output_ceiling: the serving engine's output ceiling when known (tokens).
 
         Returns:
             An ADMITTED ticket; the caller must :meth:`release` it in a ``finally``.
 
         Raises:
-            Refused: rate limited, queue full, evicted, waited past ``queue_timeout_s``,
-                or shutting down.
+            Refused: too large to ever fit (``TOO_LARGE``), rate limited, queue full,
+                evicted, waited past ``queue_timeout_s``, or shutting down.
             asyncio.CancelledError: the client went away while queued; the ticket has
                 been removed from the queue (or released, if admission raced the cancel).
         """
         sched = self.scheduler
-        ticket = sched.submit(user_id, group, prompt_tokens, max_tokens)
+        ticket = sched.submit(user_id, group, prompt_tokens, max_tokens, choices=choices, output_ceiling=output_ceiling)
         if ticket.state is TicketState.ADMITTED:
             return ticket
         fut = asyncio.get_running_loop().create_future()

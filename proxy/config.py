@@ -119,21 +119,39 @@ class UpstreamConfig(_Model):
 
 
 class AdmissionConfig(_Model):
-    """Capacity and queueing (see :class:`qos.SchedulerPolicy`)."""
+    """Capacity, queueing and per-user state (see :class:`qos.SchedulerPolicy`).
+
+    ``max_users``: most users whose fair-share state is kept (users with requests queued
+    or in flight always are); ``forget_users_after_s``: a user with nothing queued or in
+    flight for this long is forgotten (it would be lifted to its class's virtual time
+    when it returns anyway).
+    """
 
     max_inflight: int = Field(default=8, ge=1)
     max_inflight_tokens: int | None = Field(default=None, ge=1)
     max_queue: int = Field(default=1000, ge=0)
     queue_timeout_s: PositiveFloat = 30.0
     share_window_s: PositiveFloat = 30.0
+    max_users: int = Field(default=20000, ge=1)
+    forget_users_after_s: PositiveFloat = 300.0
 
 
 class CostConfig(_Model):
-    """Token cost model for fair sharing (see :class:`qos.CostModel`)."""
+    """Token cost model for fair sharing (see :class:`qos.CostModel`) and the prompt
+    estimate's per-part costs (:mod:`proxy.request_body`).
 
-    input_weight: float = Field(default=1.0, ge=0)
-    output_weight: float = Field(default=2.0, ge=0)
+    ``max_tokens_ceiling``: the most output tokens one choice of a request reserves,
+    whatever its ``max_tokens`` (a reservation for capacity and rate limits, never a
+    fair-share cost). ``image_tokens`` / ``media_tokens``: prompt tokens counted per
+    image part, and per audio, video or file part.
+    """
+
+    input_weight: float = Field(default=1.0, ge=0, le=1e6)
+    output_weight: float = Field(default=2.0, ge=0, le=1e6)
     default_max_tokens: int = Field(default=256, ge=1)
+    max_tokens_ceiling: int = Field(default=32768, ge=1)
+    image_tokens: int = Field(default=1024, ge=0)
+    media_tokens: int = Field(default=1024, ge=0)
 
 
 class IdentityConfig(_Model):
@@ -334,8 +352,10 @@ class Config(_Model):
             max_inflight_tokens=self.admission.max_inflight_tokens,
             max_queue=self.admission.max_queue,
             queue_timeout_s=self.admission.queue_timeout_s,
-            cost=CostModel(self.cost.input_weight, self.cost.output_weight, self.cost.default_max_tokens),
+            cost=CostModel(self.cost.input_weight, self.cost.output_weight, self.cost.default_max_tokens, self.cost.max_tokens_ceiling),
             share_window_s=self.admission.share_window_s,
+            max_users=self.admission.max_users,
+            forget_users_after_s=self.admission.forget_users_after_s,
         )
 
 

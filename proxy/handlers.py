@@ -36,7 +36,7 @@ from .assemble import relay_assembled
 from .errors import error_response
 from .relay import Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of
-from .request_body import BadRequest, ParsedRequest, cap_max_tokens, parse_chat, parse_completion, parse_generate
+from .request_body import BadRequest, ParsedRequest, PromptCosts, cap_max_tokens, parse_chat, parse_completion, parse_generate
 from .sse import EventTooLarge
 from .state import ProxyState
 from .upstream import UpstreamError
@@ -53,13 +53,15 @@ MODEL_CHARS = 128  # a body's model name is logged up to this length
 
 
 def _refusal_response(r: Refused) -> web.Response:
+    if r.reason is RefusalReason.TOO_LARGE:  # no retry can help
+        return error_response(400, r.detail, code=r.reason.value, param="max_tokens")
     status = 503 if r.reason in _SERVICE_UNAVAILABLE else 429
     extra = {"scope": r.scope, "limit": r.limit} if r.scope else None  # which rate limit tripped
     return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s, extra=extra)
 
 
 async def handle_generation(
-    request: web.Request, parse: Callable[[bytes], ParsedRequest], path: str, native: bool = False
+    request: web.Request, parse: Callable[[bytes, PromptCosts], ParsedRequest], path: str, native: bool = False
 ) -> web.StreamResponse:
     """Admit, forward and relay one generation request to ``path`` upstream; every
     answer carries ``X-Request-Id`` and makes one access-log line."""
@@ -105,7 +107,7 @@ async def _generation(
     group_name = ex.group = ident.group or active.config.default_group
     upstream_cfg = active.config.upstream
     try:
-        parsed = parse(raw)
+        parsed = parse(raw, active.config.cost)
         cap = active.config.group(group_name).max_tokens
         if cap is not None:
             parsed = cap_max_tokens(parsed, cap, active.config.limits.max_tokens_action == "reject")
@@ -120,7 +122,7 @@ async def _generation(
 
     admission = state.admission
     try:
-        ticket = await admission.acquire(ident.user_id, ident.group, parsed.prompt_tokens, parsed.max_tokens)
+        ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices)
     except Refused as r:
         ex.queue_wait = loop.time() - ex.arrived_at
         state.metrics.rejections.labels(group_name, r.reason.value).inc()
@@ -306,14 +308,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """LightLLM native ``POST /generate`` (404 unless ``upstream.kind`` is lightllm)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw: parse_generate(raw, False), "/generate", native=True)
+    return await handle_generation(request, lambda raw, costs: parse_generate(raw, False, costs), "/generate", native=True)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """LightLLM native ``POST /generate_stream`` (404 unless ``upstream.kind`` is lightllm)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw: parse_generate(raw, True), "/generate_stream", native=True)
+    return await handle_generation(request, lambda raw, costs: parse_generate(raw, True, costs), "/generate_stream", native=True)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Generic, Iterable, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qos import RefusalReason, Scheduler
@@ -112,7 +112,11 @@ class _SchedulerCollector(Collector):
         weight.add_metric(["completion"], s.policy.cost.output_weight)
         yield weight
         yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=len(s.inflight))
-        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + max output) of requests in flight.", value=s.inflight_tokens)
+        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + reserved output) of requests in flight.", value=s.inflight_tokens)
+        yield GaugeMetricFamily("llm_qos_users_tracked", "Users whose fair-share state the scheduler keeps now.", value=s.users_tracked)
+        yield CounterMetricFamily(
+            "llm_qos_users_forgotten", "Users whose fair-share state was forgotten (idle past admission.forget_users_after_s, or beyond admission.max_users).", value=s.users_forgotten
+        )
 
 
 def oldest_waits(scheduler: Scheduler, now: float) -> dict[str, float]:

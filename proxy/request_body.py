@@ -1,21 +1,64 @@
-"""Parse just enough of a request body to admit it: stream?, max_tokens, prompt size.
+"""Parse just enough of a request body to admit it: stream?, max_tokens, output
+multiplier, and how many prompt tokens it will be.
 
 The body is forwarded upstream as the client sent it (the raw bytes), so a field this
 module does not know passes through untouched.
 
-Prompt size is an estimate (about 4 characters per token for English text, the rule of
-thumb OpenAI documents for its tokenizers); the scheduler corrects it with the upstream's
-reported ``usage`` when the response ends.
+The prompt estimate counts everything an engine turns into prompt tokens, because
+whatever it leaves out is free for a client to stuff (a 5 000-token prompt hidden in
+``tools`` would pass a 3 000 tokens-a-minute limit every time):
+
+* text: every message's content (strings and all text parts), and every other field of
+  a message (``name``, ``tool_calls`` with their arguments, ``tool_call_id``, ...), at
+  about 4 characters per token (the rule of thumb OpenAI documents for its
+  tokenizers), plus :data:`MESSAGE_OVERHEAD_TOKENS` per message for the chat template;
+* ``tools``, ``functions``, ``tool_choice``, ``response_format`` (a JSON schema),
+  ``prediction``: their JSON text, as chat templates render them into the prompt;
+* images (``image_url`` / ``input_image`` parts): a fixed ``cost.image_tokens`` each
+  (an image's tokens depend on the model's vision encoder, not on the URL's length);
+  audio, video and file parts: ``cost.media_tokens`` each;
+* completions: ``prompt`` as a string, a list of strings, a list of token ids (each id
+  is one token) or a list of token-id lists, plus ``suffix``.
+
+The output multiplier (``choices``) is ``max(n, best_of)``, times the number of prompts
+of a batched completions request: each choice is generated and reserved separately.
+
+Parsing is cheap and bounded: JSON depth is bounded by orjson's parser (1 024 levels);
+values are measured by serializing them (C speed), and a value too deep for that is
+walked with an explicit stack, never recursion. The scheduler trues the estimate up with
+the upstream's reported ``usage`` when the response ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4  # role and separators of one chat message
+PROMPT_FIELDS = ("tools", "functions", "tool_choice", "response_format", "prediction")
+IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
+MEDIA_PARTS = frozenset({"input_audio", "audio", "audio_url", "file", "input_file", "video_url", "video"})
+
+
+class PromptCosts(Protocol):
+    """Prompt tokens counted per non-text content part (``cost`` section of the config)."""
+
+    image_tokens: int
+    media_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultPromptCosts:
+    """The documented defaults of ``cost.image_tokens`` and ``cost.media_tokens``."""
+
+    image_tokens: int = 1024
+    media_tokens: int = 1024
+
+
+DEFAULT_COSTS = DefaultPromptCosts()
 
 
 class BadRequest(Exception):
@@ -34,9 +77,12 @@ class ParsedRequest:
     Attributes:
         body: the bytes to send upstream.
         stream: whether the client asked for a streamed (SSE) answer.
-        max_tokens: the client's output cap (tokens), or ``None`` if it named none.
+        max_tokens: the client's output cap per choice (tokens), or ``None`` if it named
+            none.
         prompt_tokens: estimated prompt length (tokens).
         fields: the parsed JSON object.
+        choices: the output multiplier: ``max(n, best_of)`` times the number of
+            prompts (>= 1).
     """
 
     body: bytes
@@ -44,6 +90,7 @@ class ParsedRequest:
     max_tokens: int | None
     prompt_tokens: int
     fields: dict
+    choices: int = 1
 
 
 def _load_object(raw: bytes) -> dict:
@@ -80,87 +127,163 @@ def _text_tokens(chars: int) -> int:
     return (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
-def _content_chars(content: object, param: str) -> int:
+def json_chars(value: object) -> int:
+    """Characters of ``value``'s JSON text (what a template renders into the prompt).
+
+    Serialized by orjson; a value nested deeper than orjson serializes (254 levels) is
+    walked with an explicit stack instead: linear in its size, no recursion.
+    """
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(orjson.dumps(value))
+    except (orjson.JSONEncodeError, TypeError):
+        pass
+    n = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v) + 2
+        elif isinstance(v, dict):
+            n += 2
+            for k, x in v.items():
+                n += len(k) + 4
+                stack.append(x)
+        elif isinstance(v, list):
+            n += 2 + len(v)
+            stack.extend(v)
+        else:
+            n += 8
+    return n
+
+
+def _multiplier(obj: dict, *keys: str) -> int:
+    m = 1
+    for k in keys:
+        v = _opt_int(obj, k)
+        if v is not None:
+            m = max(m, v)
+    return m
+
+
+def _content(content: object, param: str, costs: PromptCosts) -> tuple[int, int]:
+    """(characters, tokens of non-text parts) of one message's ``content``."""
     if content is None:
-        return 0
+        return 0, 0
     if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        n = 0
-        for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    n += len(text)
-            elif isinstance(part, str):
-                n += len(part)
-        return n
-    raise BadRequest(f"{param!r} must be a string or a list of content parts", param)
+        return len(content), 0
+    if not isinstance(content, list):
+        raise BadRequest(f"{param!r} must be a string or a list of content parts", param)
+    chars = fixed = 0
+    for part in content:
+        if isinstance(part, str):
+            chars += len(part)
+        elif isinstance(part, dict):
+            kind = part.get("type")
+            text = part.get("text")
+            if isinstance(text, str):
+                chars += len(text)
+            elif kind in IMAGE_PARTS:
+                fixed += costs.image_tokens
+            elif kind in MEDIA_PARTS:
+                fixed += costs.media_tokens
+            else:  # a refusal, or a part type not known here: its text, all of it
+                chars += json_chars(part)
+        else:
+            chars += json_chars(part)
+    return chars, fixed
 
 
-def parse_chat(raw: bytes) -> ParsedRequest:
-    """Parse a ``POST /v1/chat/completions`` body.
+def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
+    """Parse a ``POST /v1/chat/completions`` body (see the module docstring for what the
+    prompt estimate counts).
 
     Raises:
         BadRequest: not a JSON object; ``messages`` missing, empty or not a list of
-            objects; ``stream`` not a boolean; ``max_tokens`` /
-            ``max_completion_tokens`` not a positive integer.
+            objects; a ``content`` neither a string nor a list; ``stream`` not a
+            boolean; ``max_tokens`` / ``max_completion_tokens`` / ``n`` not a positive
+            integer.
     """
     obj = _load_object(raw)
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
-    chars = 0
+    chars = fixed = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
-        chars += _content_chars(m.get("content"), f"messages[{i}].content")
+        c, f = _content(m.get("content"), f"messages[{i}].content", costs)
+        chars += c
+        fixed += f
+        for k, v in m.items():
+            if k != "content" and k != "role" and v is not None:
+                chars += json_chars(v)
+    for k in PROMPT_FIELDS:
+        v = obj.get(k)
+        if v is not None:
+            chars += json_chars(v)
     # both may be present; count the larger (upstreams differ in which one wins)
     caps = [v for v in (_opt_int(obj, "max_completion_tokens"), _opt_int(obj, "max_tokens")) if v is not None]
-    max_tokens = max(caps) if caps else None
     return ParsedRequest(
         body=raw,
         stream=_opt_bool(obj, "stream"),
-        max_tokens=max_tokens,
-        prompt_tokens=_text_tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(messages),
+        max_tokens=max(caps) if caps else None,
+        prompt_tokens=_text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * len(messages),
         fields=obj,
+        choices=_multiplier(obj, "n"),
     )
 
 
-def parse_completion(raw: bytes) -> ParsedRequest:
-    """Parse a ``POST /v1/completions`` body (``prompt``: a string or list of strings).
+def parse_completion(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
+    """Parse a ``POST /v1/completions`` body: ``prompt`` is a string, a list of strings, a
+    list of token ids, or a list of token-id lists (a batch: each prompt gets its own
+    ``max(n, best_of)`` choices).
 
     Raises:
-        BadRequest: as :func:`parse_chat`, for ``prompt`` instead of ``messages``.
+        BadRequest: as :func:`parse_chat`, for ``prompt`` instead of ``messages``, and
+            ``best_of`` not a positive integer.
     """
     obj = _load_object(raw)
     prompt = obj.get("prompt")
+    chars = tokens = 0
+    prompts = 1
     if isinstance(prompt, str):
         chars = len(prompt)
-    elif isinstance(prompt, list) and all(isinstance(p, (str, int)) for p in prompt):
-        chars = sum(len(p) if isinstance(p, str) else CHARS_PER_TOKEN for p in prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        tokens = len(prompt)  # token ids: one token each
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        chars = sum(len(p) for p in prompt)
+        prompts = max(1, len(prompt))
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in prompt):
+        tokens = sum(len(p) for p in prompt)
+        prompts = len(prompt)
     else:
-        raise BadRequest("'prompt' must be a string or a list of strings", "prompt")
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt")
+    suffix = obj.get("suffix")
+    if isinstance(suffix, str):
+        chars += len(suffix)
     return ParsedRequest(
         body=raw,
         stream=_opt_bool(obj, "stream"),
         max_tokens=_opt_int(obj, "max_tokens"),
-        prompt_tokens=_text_tokens(chars),
+        prompt_tokens=_text_tokens(chars) + tokens,
         fields=obj,
+        choices=_multiplier(obj, "n", "best_of") * prompts,
     )
 
 
-def parse_generate(raw: bytes, stream: bool) -> ParsedRequest:
+def parse_generate(raw: bytes, stream: bool, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     """Parse a LightLLM native ``/generate`` or ``/generate_stream`` body:
-    ``{"inputs": str, "parameters": {"max_new_tokens": int, ...}}`` (``parameters`` is
-    required by LightLLM). Without ``max_new_tokens`` the request names no limit, like an
-    OpenAI request without ``max_tokens``: LightLLM v1.2.0 then generates up to 65535 tokens,
-    cut to its length limit (0.0.1: 16), so a group's cap applies
-    (``core/objs/sampling_params.py``, ``httpserver/manager.py:_check_and_repair_length``).
+    ``{"inputs": str, "parameters": {"max_new_tokens": int, "best_of": int, "n": int,
+    ...}}`` (``parameters`` is required by LightLLM). Without ``max_new_tokens`` the request
+    names no limit, like an OpenAI request without ``max_tokens``: LightLLM v1.2.0 then
+    generates up to 65535 tokens, cut to its length limit (0.0.1: 16), so a group's cap
+    applies (``core/objs/sampling_params.py``, ``httpserver/manager.py:_check_and_repair_length``).
 
     Raises:
         BadRequest: ``inputs`` not a string, ``parameters`` not an object,
-            ``max_new_tokens`` not a positive integer.
+            ``max_new_tokens`` / ``best_of`` / ``n`` not a positive integer.
     """
     obj = _load_object(raw)
     inputs = obj.get("inputs")
@@ -176,6 +299,7 @@ def parse_generate(raw: bytes, stream: bool) -> ParsedRequest:
         max_tokens=max_new,
         prompt_tokens=_text_tokens(len(inputs)),
         fields=obj,
+        choices=_multiplier(params, "n", "best_of"),
     )
 
 
@@ -205,4 +329,4 @@ def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedReque
         raise BadRequest(f"{over[0]!r} must be at most {cap} for your group, got {target[over[0]]}", over[0])
     for k in keys:
         target[k] = cap
-    return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields)
+    return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields, parsed.choices)

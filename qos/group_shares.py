@@ -9,11 +9,10 @@ Three corrections keep the fraction honest (measured in ``bench/fairness.py``):
 
 * **true-up:** the cost counted at dispatch is corrected by the real cost when the
   request ends; a refund is decayed as the charge it corrects was;
-* **expected output:** at dispatch a class is charged its request's ``max_tokens``
-  scaled by the ratio of real to estimated output of that user's recent finished
-  requests, since a systematic over-estimate of requests in flight would be a
-  proportional error of the fraction (user counters, by contrast, take the plain
-  estimate: there an over-estimate only shifts a counter by a bounded amount);
+* **expected cost:** at dispatch a class is charged the request's expected cost
+  (:class:`qos.usage_model.UsageModel`: its estimates scaled by how that user's recent
+  requests turned out), since a systematic over-estimate of requests in flight would be
+  a proportional error of the fraction;
 * **no banked credit:** a class that starts waiting again is credited up to its share
   (:meth:`GroupShares.lift`), as an idle user's counter is lifted in
   :mod:`qos.fair_queue`, so it cannot return with a burst that holds off the higher
@@ -25,11 +24,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in a user's output ratio
-
-
 class GroupShares:
-    """Decayed served cost per class and per-user output ratios.
+    """Decayed served cost per class.
 
     Args:
         window_s: decay time constant (seconds).
@@ -41,8 +37,6 @@ class GroupShares:
         self._clock = clock
         self._served: dict[str, float] = {}
         self._at = clock()
-        # per user: exponentially weighted sums of real and of estimated output tokens
-        self._output_ratio: dict[str, list[float]] = {}
 
     def configure(self, groups: Iterable[str], window_s: float) -> None:
         """Track exactly ``groups`` (new ones start at 0, removed ones are dropped)."""
@@ -80,6 +74,13 @@ class GroupShares:
         if self._served[group] < floor:
             self._served[group] = floor
 
+    def share(self, group: str) -> float:
+        """``group``'s decayed fraction of all dispatched cost now (0.0 when nothing has
+        been dispatched)."""
+        self._decay(self._clock())
+        total = sum(self._served.values())
+        return self._served.get(group, 0.0) / total if total > 0 else 0.0
+
     def most_owed(self, candidates: Iterable[tuple[str, float]]) -> str | None:
         """Among ``(group, min_share)`` pairs (classes with work waiting), the one furthest
         below its share, or ``None`` when none is below."""
@@ -91,23 +92,3 @@ class GroupShares:
             if min_share - share > best_deficit:
                 best, best_deficit = group, min_share - share
         return best
-
-    def expected_output(self, user_id: str, max_output_tokens: int) -> float:
-        """Output tokens a request of ``user_id`` with this estimate is expected to
-        produce (the estimate itself until one of the user's requests has finished)."""
-        r = self._output_ratio.get(user_id)
-        if r is None or r[1] <= 0:
-            return float(max_output_tokens)
-        return max_output_tokens * r[0] / r[1]
-
-    def learn_output(self, user_id: str, max_output_tokens: int, output_tokens: int) -> None:
-        """Record that a request estimated at ``max_output_tokens`` produced ``output_tokens``."""
-        if max_output_tokens <= 0:
-            return
-        r = self._output_ratio.get(user_id)
-        if r is None:
-            self._output_ratio[user_id] = [float(output_tokens), float(max_output_tokens)]
-        else:
-            keep = 1.0 - OUTPUT_RATIO_ALPHA
-            r[0] = r[0] * keep + output_tokens
-            r[1] = r[1] * keep + max_output_tokens

@@ -3,35 +3,52 @@
 One :class:`Scheduler` decides, for every request, whether it is refused at once, queued,
 or dispatched upstream, and when a queued request is dispatched. It is pure: it does no
 I/O, starts no tasks, and reads time only from the clock it is given. Callers learn of
-dispatches and evictions through two callbacks, called synchronously from inside the
+dispatches and late refusals through two callbacks, called synchronously from inside the
 method that caused them.
 
-Order of service when a slot is free:
+It is assembled from parts with one job each, two of them replaceable:
+
+* :class:`qos.fair_queue.FairQueue`, one per class: the order of users inside a class
+  (weighted Virtual Token Counters, charged for service rendered, never ``max_tokens``);
+* :class:`qos.group_shares.GroupShares`: the classes' decayed shares, for ``min_share``;
+* a :class:`qos.rate_limit.RateLimiter` (given, or a private one): reserve at submit,
+  refund in full when never dispatched, settle to real usage at the end;
+* a :class:`qos.capacity.Capacity` (given, or a :class:`qos.capacity.LocalCapacity` of
+  the policy's ``max_inflight`` / ``max_inflight_tokens``): whether the chosen request
+  has room now, and where.
+
+Order of service when there is room:
 
 1. a class with ``min_share`` > 0 that has work waiting and whose decayed share of
-   dispatched cost is below its ``min_share`` (the largest deficit first); that cost is
-   counted at dispatch as expected from the user's recent requests, then trued up with
-   the real counts, and a class that starts waiting again is credited up to its share
-   (no catch-up burst for time it spent idle);
+   dispatched cost is below its ``min_share`` (the largest deficit first);
 2. otherwise the highest-priority class with work waiting (strict priority);
-3. inside the class, the user with the smallest virtual token counter
-   (:mod:`qos.fair_queue`).
+3. inside the class, the backlogged user with the smallest key (:mod:`qos.fair_queue`).
 
-A request is dispatched only when a slot is free and, if ``max_inflight_tokens`` is set,
-its reserved tokens fit (or nothing is in flight). The head of the chosen class waits for
-room rather than being overtaken by a lower class, so priority is never inverted.
+A head that does not fit the capacity waits for room and holds back the classes *below*
+its own (so priority is never inverted), never those above it: a ``min_share`` class
+whose head does not fit lets a higher class's head go if that one fits. A request whose
+reservation could never fit is refused at submit (``TOO_LARGE``).
+
+Per-user state is bounded: a user with nothing queued or in flight is forgotten after
+``policy.forget_users_after_s``, and beyond ``policy.max_users`` the users idle longest
+are forgotten first, so at most ``max(max_users, users with requests queued or in
+flight)`` are tracked (:attr:`Scheduler.users_forgotten` counts the forgotten).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
+from .capacity import Capacity, LocalCapacity
 from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
-from .policy import RateLimit, SchedulerPolicy
-from .rate_limit import TokenBucket
+from .policy import MAX_CHOICES, SchedulerPolicy, UserPolicy, clamp_count
+from .rate_limit import RateLimiter
+from .usage_model import UsageModel
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
 Clock = Callable[[], float]
@@ -40,29 +57,6 @@ TicketCallback = Callable[[Ticket], None]
 
 def _noop(_t: Ticket) -> None:
     return None
-
-
-class _Limits:
-    """The request and token buckets of one user or one class."""
-
-    __slots__ = ("requests", "tokens")
-
-    def __init__(self) -> None:
-        self.requests: TokenBucket | None = None
-        self.tokens: TokenBucket | None = None
-
-    def configure(self, limits: RateLimit, now: float) -> None:
-        self.requests = _reconfigure(self.requests, limits.requests_per_minute, now)
-        self.tokens = _reconfigure(self.tokens, limits.tokens_per_minute, now)
-
-
-def _reconfigure(bucket: TokenBucket | None, per_minute: float | None, now: float) -> TokenBucket | None:
-    if per_minute is None:
-        return None
-    if bucket is None:
-        return TokenBucket.per_minute(per_minute, now)
-    bucket.reconfigure(per_minute, now)
-    return bucket
 
 
 class Scheduler:
@@ -75,8 +69,16 @@ class Scheduler:
         on_admit: called with each ticket the moment it is dispatched (also for a ticket
             dispatched inside :meth:`submit`).
         on_refuse: called with each *queued* ticket that is refused later (evicted,
-            timed out through :meth:`expire`, or drained at shutdown); ``ticket.refusal``
-            says why. Refusals at submit time raise instead.
+            timed out through :meth:`expire`, too large for a reloaded capacity, or
+            drained at shutdown); ``ticket.refusal`` says why. Refusals at submit time
+            raise instead.
+        rate_limiter: the rate limits to reserve from; several schedulers (one per
+            engine pool) may share one (its owner bounds it). Default: a private
+            :class:`RateLimiter` of ``2 * policy.max_users + 64`` buckets.
+        capacity: the capacity model to ask at dispatch. Default: a
+            :class:`LocalCapacity` following the policy's ``max_inflight`` and
+            ``max_inflight_tokens``. Its :meth:`~qos.capacity.Capacity.configure` is
+            called with every policy.
     """
 
     def __init__(
@@ -85,79 +87,81 @@ class Scheduler:
         clock: Clock = time.monotonic,
         on_admit: TicketCallback = _noop,
         on_refuse: TicketCallback = _noop,
+        *,
+        rate_limiter: RateLimiter | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
         self._on_admit = on_admit
         self._on_refuse = on_refuse
+        self._owns_limiter = rate_limiter is None
+        self.rate_limiter = rate_limiter if rate_limiter is not None else RateLimiter(max_buckets=2 * policy.max_users + 64)
+        self.capacity_model: Capacity = capacity if capacity is not None else LocalCapacity(policy.max_inflight, policy.max_inflight_tokens)
         self._seq = 0
         self._queues: dict[str, FairQueue] = {}
         self._order: list[FairQueue] = []
         self._accounts: dict[str, UserAccount] = {}
-        self._user_limits: dict[str, _Limits] = {}
-        self._group_limits: dict[str, _Limits] = {}
+        self._idle: OrderedDict[str, float] = OrderedDict()  # user -> clock when it went idle
         self._shares = GroupShares(policy.share_window_s, clock)  # for min_share
+        self._usage = UsageModel()  # what each user's requests are expected to cost
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
-        self.inflight_tokens = 0
         self.queued = 0
         self.closed = False
-        self._capacity_limit: int | None = None
+        self.users_forgotten = 0
         self._apply(policy)
 
     # ----------------------------------------------------------------- policy
 
     def _apply(self, policy: SchedulerPolicy) -> None:
-        now = self._clock()
         self.policy = policy
         old = self._queues
         # (an empty FairQueue is falsy: test membership, or an idle class loses its vtime)
         self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
         self._order = [self._queues[g.name] for g in policy.groups]
-        for g in policy.groups:
-            self._group_limits.setdefault(g.name, _Limits()).configure(g.limits, now)
-        for name in list(self._group_limits):
-            if name not in self._queues:
-                del self._group_limits[name]
+        self.capacity_model.configure(policy)
+        if self._owns_limiter:
+            self.rate_limiter.max_buckets = 2 * policy.max_users + 64
         self._shares.configure(self._queues, policy.share_window_s)
-        for uid, lim in self._user_limits.items():
-            lim.configure(policy.user(uid).limits, now)
-        # queued tickets of removed classes, or of users now in another class or with
-        # another weight, are re-queued under the new policy (counters kept)
-        requeue: list[Ticket] = []
-        for name, q in old.items():
+        # every user takes the class and weight the new policy gives it, at once, its
+        # queued requests included (one rule for moved, re-weighted and removed users)
+        for acct in sorted(self._accounts.values(), key=_first_seq):
+            requested = acct.requested_group if acct.requested_group in self._queues else None
+            self._place(acct, old.get(acct.group), policy.user(acct.user_id, requested))
+        self._trim(policy.max_users)
+        # a queued request that can no longer ever fit (max_inflight_tokens lowered)
+        # would block its class's head for good: refuse it now
+        for q in self._order:
             for t in q.tickets():
-                acct = self._accounts[t.user_id]
-                up = policy.user(t.user_id, t.group if t.group in self._queues else None)
-                if name not in self._queues or up.group != name or up.weight != acct.weight:
-                    q.remove(t, acct)
-                    requeue.append(t)
-        for uid, acct in self._accounts.items():
-            up = policy.user(uid, acct.group if acct.group in self._queues else None)
-            acct.weight, acct.group = up.weight, up.group
-        for t in sorted(requeue, key=lambda t: t.seq):
-            acct = self._accounts[t.user_id]
-            t.group = acct.group
-            self._queues[t.group].push(t, acct)
+                if not self.capacity_model.admissible(t.reserved_tokens):
+                    self._refuse_queued(t, self._too_large(t.reserved_tokens))
 
     def update_policy(self, policy: SchedulerPolicy) -> None:
         """Swap in a new policy atomically.
 
-        Counters and rate-limit buckets of users and classes that still exist carry over;
-        queued requests of a removed class move to the default class (users listed in the
-        new policy move to their new class); requests in flight are untouched. A larger
-        ``max_inflight`` dispatches waiting requests at once; a smaller one lets the
-        surplus in flight finish. Nothing is refused by a policy change.
+        Counters and rate-limit buckets carry over. Every user takes the class and
+        weight the new policy gives it at once, its queued requests with it, placed at
+        the same position relative to the new class's virtual time (a weight change
+        scales that position so its cost is kept); a user no longer listed takes its
+        new class (the default one) the same way. Requests in flight are untouched. A
+        larger ``max_inflight`` dispatches waiting requests at once; a smaller one lets
+        the surplus in flight finish. A queued request whose reservation can no longer
+        fit a lowered ``max_inflight_tokens`` is refused (``TOO_LARGE``); nothing else
+        is refused by a policy change.
         """
         self._apply(policy)
         self._dispatch()
 
     @property
     def capacity(self) -> int:
-        """Requests allowed in flight now: ``policy.max_inflight``, or the limit set by
-        :meth:`set_capacity_limit` when that is lower."""
-        limit = self._capacity_limit
-        return self.policy.max_inflight if limit is None else min(limit, self.policy.max_inflight)
+        """Requests allowed in flight now (the capacity model's slots)."""
+        return self.capacity_model.slots
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Sum of the reservations of the requests in flight (tokens)."""
+        return self.capacity_model.inflight_tokens
 
     def set_capacity_limit(self, limit: int | None) -> None:
         """Lower the requests allowed in flight below ``policy.max_inflight`` for as long
@@ -172,84 +176,162 @@ class Scheduler:
         Raises:
             ValueError: ``limit`` is below 1.
         """
-        if limit is not None and limit < 1:
-            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
-        self._capacity_limit = limit
+        self.capacity_model.set_limit(limit)
+        self._dispatch()
+
+    def dispatch(self) -> None:
+        """Dispatch what fits now; for a capacity model whose room grew outside the
+        scheduler's own calls (a lease granted, an engine back)."""
         self._dispatch()
 
     # ---------------------------------------------------------------- accounts
 
-    def _account(self, user_id: str, group: str, weight: float) -> UserAccount:
+    def _place(self, acct: UserAccount, src: FairQueue | None, up: UserPolicy) -> None:
+        """Put ``acct`` (a member of ``src``) in class ``up.group`` with weight
+        ``up.weight``, its queued tickets with it, keeping its position relative to the
+        class's virtual time (scaled by the weight ratio, so its lead or lag in cost is
+        kept). Nothing to do when both are unchanged."""
+        dst = self._queues[up.group]
+        if src is dst and acct.weight == up.weight:
+            return
+        tickets: list[Ticket] = []
+        relative: float | None = None
+        if src is not None:
+            tickets, relative = src.leave(acct)
+            if acct.weight > 0 and up.weight > 0:
+                relative *= acct.weight / up.weight
+            elif up.weight > 0:
+                relative = None  # from weight 0: no position to keep, placed at the virtual time
+        acct.weight = up.weight
+        dst.join(acct, relative)
+        for t in tickets:
+            t.group = dst.name
+            dst.push(t, acct, lift=False)
+
+    def _account(self, user_id: str, requested: str | None, up: UserPolicy, now: float) -> UserAccount:
         acct = self._accounts.get(user_id)
         if acct is None:
-            acct = self._accounts[user_id] = UserAccount(user_id, weight, group)
-        elif not acct.queue:
-            acct.weight, acct.group = weight, group
+            self._forget_idle(now)
+            self._trim(self.policy.max_users - 1)
+            acct = self._accounts[user_id] = UserAccount(user_id, up.weight, recent_at=now)
+            self._queues[up.group].join(acct)
+        else:
+            self._idle.pop(user_id, None)
+            self._place(acct, self._queues[acct.group], up)
+        acct.requested_group = requested
         return acct
 
-    def _limits_of(self, user_id: str, limits: RateLimit) -> _Limits:
-        lim = self._user_limits.get(user_id)
-        if lim is None:
-            lim = self._user_limits[user_id] = _Limits()
-            lim.configure(limits, self._clock())
-        return lim
+    def _forget_idle(self, now: float) -> None:
+        """Forget users idle (nothing queued or in flight) longer than the window;
+        amortized O(1): each idle user is looked at once."""
+        idle = self._idle
+        horizon = now - self.policy.forget_users_after_s
+        while idle:
+            uid, since = next(iter(idle.items()))
+            if since > horizon:
+                break
+            self._forget(uid)
+
+    def _trim(self, most: int) -> None:
+        """Forget the users idle longest until at most ``most`` are tracked or no idle
+        user is left (users with requests queued or in flight are never forgotten)."""
+        while len(self._accounts) > most and self._idle:
+            self._forget(next(iter(self._idle)))
+
+    def _forget(self, user_id: str) -> None:
+        acct = self._accounts.pop(user_id)
+        self._idle.pop(user_id, None)
+        q = self._queues.get(acct.group)
+        if q is not None:
+            q.members.pop(user_id, None)
+        self._usage.forget(user_id)
+        self.users_forgotten += 1
+
+    def _maybe_idle(self, acct: UserAccount) -> None:
+        if not acct.queue and acct.inflight == 0:
+            self._idle[acct.user_id] = self._clock()
+            self._idle.move_to_end(acct.user_id)
+            self._trim(self.policy.max_users)
 
     # ------------------------------------------------------------------ submit
 
-    def submit(self, user_id: str, group: str | None, prompt_tokens: int, max_output_tokens: int | None) -> Ticket:
+    def submit(
+        self,
+        user_id: str,
+        group: str | None,
+        prompt_tokens: int,
+        max_output_tokens: int | None,
+        *,
+        choices: int = 1,
+        output_ceiling: int | None = None,
+    ) -> Ticket:
         """Ask for admission of one request.
 
         Args:
             user_id: the user (from identity resolution).
-            group: a class chosen by a trusted source, or ``None`` for the user's own.
+            group: a class chosen per request by a trusted source, or ``None`` for the
+                one the policy gives the user (a listed user's own class always wins).
+                The user's account, queued requests included, moves to the class of
+                its latest request.
             prompt_tokens: estimated prompt length (tokens, >= 0).
-            max_output_tokens: the request's ``max_tokens``, or ``None`` for the cost
-                model's default.
+            max_output_tokens: the request's ``max_tokens`` (per choice), or ``None``
+                for the cost model's default. Only a reservation: clamped to the cost
+                model's ``max_tokens_ceiling`` (and ``output_ceiling``), never a cost.
+            choices: the output multiplier (``max(n, best_of)``), clamped to
+                ``[1, MAX_CHOICES]``.
+            output_ceiling: a tighter per-request output ceiling (tokens per choice),
+                e.g. the serving engine's context length when the caller knows it.
 
         Returns:
             The ticket, in state ADMITTED (``on_admit`` has been called) or QUEUED.
 
         Raises:
-            Refused: rate limited (RATE_LIMITED; ``scope`` and ``limit`` name the
-                bucket that needs the longest wait), queues full (QUEUE_FULL,
-                GROUP_QUEUE_FULL), or the scheduler is closed (SHUTDOWN).
+            Refused: its reservation can never fit the capacity (TOO_LARGE), rate limited
+                (RATE_LIMITED; ``scope`` and ``limit`` name the bucket that needs the
+                longest wait), queues full (QUEUE_FULL, GROUP_QUEUE_FULL), or the
+                scheduler is closed (SHUTDOWN). A refused request consumes nothing.
         """
         policy = self.policy
         now = self._clock()
         if self.closed:
             raise Refused(RefusalReason.SHUTDOWN, 1.0, "the server is shutting down")
         up = policy.user(user_id, group)
-        acct = self._accounts.get(user_id)
-        if acct is not None and acct.queue and acct.group != up.group:
-            # one fair-share account per user: while it has requests waiting, new ones
-            # join the class those wait in (an account cannot be queued in two classes)
-            up = policy.user(user_id, acct.group)
-        gpol = policy.groups[policy.group_index(up.group)]
-        out = policy.cost.default_output_tokens if max_output_tokens is None else max_output_tokens
-        self._check_rate(user_id, up.limits, gpol.name, prompt_tokens + out, now)
+        rank = policy.group_index(up.group)
+        gpol = policy.groups[rank]
+        prompt = clamp_count(prompt_tokens)
+        choices = max(1, min(int(choices), MAX_CHOICES))
+        out = policy.cost.reserve_output(max_output_tokens, choices, output_ceiling)
+        reserved = prompt + out
+        if not self.capacity_model.admissible(reserved):
+            raise self._too_large(reserved)
+        wait, scope, limit = self.rate_limiter.tripped(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
+        if wait > 0:
+            whose = f"user {user_id!r}" if scope == "user" else f"group {gpol.name!r} (all its users together)"
+            raise Refused(RefusalReason.RATE_LIMITED, wait, f"rate limit exceeded: the {limit} of {whose}", scope=scope, limit=limit)
 
         queue = self._queues[up.group]
-        if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(queue, prompt_tokens + out):
+        if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(reserved):
             raise Refused(
                 RefusalReason.GROUP_QUEUE_FULL,
                 self._retry_hint(),
                 f"the queue of group {gpol.name!r} is full ({gpol.max_queue} waiting)",
             )
-        if self.queued >= policy.max_queue and not self._can_dispatch_now(queue, prompt_tokens + out):
-            self._evict_for(policy.group_index(up.group))
+        if self.queued >= policy.max_queue and not self._can_dispatch_now(reserved):
+            self._evict_for(rank)
 
         self._seq += 1
         ticket = Ticket(
             seq=self._seq,
             user_id=user_id,
             group=up.group,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=prompt,
             max_output_tokens=out,
             enqueued_at=now,
             deadline=now + policy.queue_timeout_s,
+            choices=choices,
         )
-        self._take_rate(user_id, gpol.name, ticket.reserved_tokens, now)
-        acct = self._account(user_id, up.group, up.weight)
+        ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
+        acct = self._account(user_id, group, up, now)
         if gpol.min_share > 0 and not len(queue):
             self._shares.lift(gpol.name, gpol.min_share)
         queue.push(ticket, acct)
@@ -264,50 +346,41 @@ class Scheduler:
         self._dispatch()
         return ticket
 
-    def _can_dispatch_now(self, queue: FairQueue, tokens: int) -> bool:
-        """Whether a new request for ``queue`` would be dispatched immediately (then queue
-        bounds do not apply: it never waits)."""
-        if self.queued > 0 or len(self.inflight) >= self.capacity:
-            return False
-        cap = self.policy.max_inflight_tokens
-        return cap is None or not self.inflight or self.inflight_tokens + tokens <= cap
+    def _too_large(self, reserved: int) -> Refused:
+        cap = getattr(self.capacity_model, "max_inflight_tokens", None)
+        limit = f" (admission.max_inflight_tokens is {cap})" if cap is not None else ""
+        return Refused(
+            RefusalReason.TOO_LARGE,
+            1.0,
+            f"the request reserves {reserved} tokens (prompt + max_tokens x choices), more than can ever be in flight{limit}; lower max_tokens",
+        )
 
-    def _check_rate(self, user_id: str, limits: RateLimit, group: str, tokens: int, now: float) -> None:
-        buckets = ("user", self._limits_of(user_id, limits)), ("group", self._group_limits[group])
-        wait, tripped = 0.0, ("", "")
-        for scope, lim in buckets:  # the bucket that needs the longest wait is named
-            if lim.requests is not None and (w := lim.requests.wait_time(1, now)) > wait:
-                wait, tripped = w, (scope, "requests_per_minute")
-            if lim.tokens is not None and (w := lim.tokens.wait_time(tokens, now)) > wait:
-                wait, tripped = w, (scope, "tokens_per_minute")
-        if wait > 0:
-            scope, limit = tripped
-            whose = f"user {user_id!r}" if scope == "user" else f"group {group!r} (all its users together)"
-            raise Refused(RefusalReason.RATE_LIMITED, wait, f"rate limit exceeded: the {limit} of {whose}", scope=scope, limit=limit)
-
-    def _take_rate(self, user_id: str, group: str, tokens: int, now: float) -> None:
-        for lim in (self._user_limits[user_id], self._group_limits[group]):
-            if lim.requests is not None:
-                lim.requests.take(1, now)
-            if lim.tokens is not None:
-                lim.tokens.take(tokens, now)
+    def _can_dispatch_now(self, tokens: int) -> bool:
+        """Whether a new request would be dispatched immediately (then queue bounds do
+        not apply: it never waits)."""
+        return self.queued == 0 and self.capacity_model.fits(tokens)
 
     def _evict_for(self, priority: int) -> None:
         """Make room for a request of class index ``priority`` by evicting the newest
-        waiting request of the lowest class below it; raise QUEUE_FULL if there is none."""
+        waiting request of the lowest class below it that is above its ``min_share``
+        floor (a class with ``min_share`` whose decayed share is at or below it keeps
+        its requests); raise QUEUE_FULL if there is none."""
         for idx in range(len(self._order) - 1, priority, -1):
-            victim = self._order[idx].newest()
-            if victim is not None:
-                self._refuse_queued(
-                    victim,
-                    Refused(
-                        RefusalReason.EVICTED,
-                        self._retry_hint(),
-                        f"evicted from the queue by a request of higher priority (group {victim.group!r})",
-                    ),
-                )
-                self._refund_rate(victim)  # never served: give its tokens back, as on timeout
-                return
+            gpol = self.policy.groups[idx]
+            q = self._order[idx]
+            if not len(q) or (gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)):
+                continue  # a class not above its floor keeps its requests
+            victim = q.newest()
+            assert victim is not None
+            self._refuse_queued(
+                victim,
+                Refused(
+                    RefusalReason.EVICTED,
+                    self._retry_hint(),
+                    f"evicted from the queue by a request of higher priority (group {victim.group!r})",
+                ),
+            )
+            return
         raise Refused(
             RefusalReason.QUEUE_FULL,
             self._retry_hint(),
@@ -321,54 +394,66 @@ class Scheduler:
 
     # ---------------------------------------------------------------- dispatch
 
-    def _pick_queue(self) -> FairQueue | None:
+    def _candidates(self) -> list[FairQueue]:
+        """The classes whose head may go next, in the order to try: the ``min_share``
+        class most owed (if any), then the highest class with work. A head that does
+        not fit holds back only the classes after it in this list that rank below it."""
+        top = next((q for q in self._order if len(q)), None)
+        if top is None:
+            return []
         owed = [(g.name, g.min_share) for g in self.policy.groups if g.min_share > 0 and len(self._queues[g.name])]
         if owed:
             name = self._shares.most_owed(owed)
-            if name is not None:
-                return self._queues[name]
-        for q in self._order:
-            if len(q):
-                return q
-        return None
+            if name is not None and self._queues[name] is not top:
+                return [self._queues[name], top]
+        return [top]
 
     def _dispatch(self) -> None:
+        cap = self.capacity_model
+        while self.queued and cap.inflight < cap.slots:
+            for queue in self._candidates():
+                head = queue.peek(self._accounts)
+                assert head is not None
+                if cap.reserve(head[0]):
+                    self._admit(queue, *head)
+                    break
+            else:
+                return
+
+    def _admit(self, queue: FairQueue, ticket: Ticket, acct: UserAccount) -> None:
         policy = self.policy
-        cap = policy.max_inflight_tokens
-        while self.queued and len(self.inflight) < self.capacity:
-            queue = self._pick_queue()
-            if queue is None:
-                return
-            head = queue.peek(self._accounts)
-            assert head is not None
-            ticket, acct = head
-            if cap is not None and self.inflight and self.inflight_tokens + ticket.reserved_tokens > cap:
-                return
-            queue.pop(self._accounts)
-            self.queued -= 1
-            cost = policy.cost.cost(ticket.prompt_tokens, ticket.max_output_tokens)
-            queue.charge(acct, cost)
-            ticket.charged = cost
-            ticket.state = TicketState.ADMITTED
-            ticket.admitted_at = self._clock()
-            self.inflight.add(ticket)
-            self.inflight_tokens += ticket.reserved_tokens
-            share_cost = policy.cost.cost(ticket.prompt_tokens, self._shares.expected_output(ticket.user_id, ticket.max_output_tokens))
-            ticket.share_charged = share_cost
-            self._shares.add(ticket.group, share_cost)
-            self._on_admit(ticket)
+        queue.pop(self._accounts)
+        self.queued -= 1
+        ticket.state = TicketState.ADMITTED
+        ticket.admitted_at = self._clock()
+        self.inflight.add(ticket)
+        cost = policy.cost
+        ticket.expected_prompt, ticket.expected_output = self._usage.expected(ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens)
+        ticket.speculative = not self._usage.knows(ticket.user_id)
+        ticket.confirmed = 0.0
+        ticket.pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * ticket.expected_output
+        acct.inflight += 1
+        queue.charge(acct, 0.0, ticket.pending, ticket.pending if ticket.speculative else 0.0)
+        ticket.share_charged = ticket.pending
+        self._shares.add(ticket.group, ticket.pending)
+        self._on_admit(ticket)
 
     # ------------------------------------------------------------- lifecycle
 
-    def _refuse_queued(self, ticket: Ticket, refusal: Refused) -> None:
-        self._queues[ticket.group].remove(ticket, self._accounts[ticket.user_id])
+    def _refuse_queued(self, ticket: Ticket, refusal: Refused, notify: bool = True) -> None:
+        acct = self._accounts[ticket.user_id]
+        self._queues[acct.group].remove(ticket, acct)
         self.queued -= 1
         ticket.state = TicketState.REFUSED
         ticket.refusal = refusal
-        self._on_refuse(ticket)
+        self.rate_limiter.refund(ticket.rate, self._clock())  # never served: consumes nothing
+        self._maybe_idle(acct)
+        if notify:
+            self._on_refuse(ticket)
 
     def cancel(self, ticket: Ticket, reason: RefusalReason = RefusalReason.CANCELLED) -> bool:
-        """Withdraw a QUEUED ticket (client gone, or the caller's own timeout).
+        """Withdraw a QUEUED ticket (client gone, or the caller's own timeout); its rate
+        limit reservation is refunded in full.
 
         Returns True if it was waiting and is now REFUSED (``on_refuse`` is *not* called:
         the caller already knows); False if it was not waiting (then, if ADMITTED, the
@@ -376,83 +461,80 @@ class Scheduler:
         """
         if ticket.state is not TicketState.QUEUED:
             return False
-        self._queues[ticket.group].remove(ticket, self._accounts[ticket.user_id])
-        self.queued -= 1
-        ticket.state = TicketState.REFUSED
         wait = self._clock() - ticket.enqueued_at
-        ticket.refusal = Refused(reason, self._retry_hint(), f"{reason.value} after {wait:.3f} s in the queue")
-        self._refund_rate(ticket)
+        self._refuse_queued(ticket, Refused(reason, self._retry_hint(), f"{reason.value} after {wait:.3f} s in the queue"), notify=False)
         self._dispatch()  # the head of a blocked class may have changed
         return True
-
-    def _refund_rate(self, ticket: Ticket) -> None:
-        now = self._clock()
-        for lim in (self._user_limits.get(ticket.user_id), self._group_limits.get(ticket.group)):
-            if lim is not None and lim.tokens is not None:
-                lim.tokens.adjust(-ticket.reserved_tokens, now)
 
     def record_output(self, ticket: Ticket, output_tokens: int) -> None:
         """Report that ``ticket`` has produced ``output_tokens`` so far (cumulative).
 
-        Charges the user's counter for output beyond what was charged at dispatch, so a
-        request that outruns its estimate pays as it streams.
+        The output is confirmed service: the user's counter is charged for it now (and
+        the pending expectation shrinks by as much while within it), so a request pays
+        as it streams, whatever its ``max_tokens``.
         """
         if ticket.state is not TicketState.ADMITTED or output_tokens <= ticket.output_tokens:
             return
-        ticket.output_tokens = output_tokens
-        cost = self.policy.cost.cost(ticket.prompt_tokens, output_tokens)
-        if cost > ticket.charged:
-            acct = self._accounts[ticket.user_id]
-            self._queue_of(ticket).charge(acct, cost - ticket.charged)
-            ticket.charged = cost
-        if cost > ticket.share_charged:
-            self._shares.add(ticket.group, cost - ticket.share_charged)
-            ticket.share_charged = cost
-
-    def _queue_of(self, ticket: Ticket) -> FairQueue:
-        # the class the user's account queues in now (where its heap entry lives), which
-        # differs from ticket.group when a reload or a later submit moved the user
-        return self._queues[self._accounts[ticket.user_id].group]
+        out = clamp_count(output_tokens)
+        if out <= ticket.output_tokens:
+            return
+        cost = self.policy.cost
+        confirmed = cost.output_weight * (out - ticket.output_tokens)
+        ticket.output_tokens = out
+        pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * max(0.0, ticket.expected_output - out)
+        delta, ticket.pending = pending - ticket.pending, pending
+        ticket.confirmed += confirmed
+        acct = self._accounts[ticket.user_id]
+        self._queues[acct.group].charge(acct, confirmed, delta, delta if ticket.speculative else 0.0)
+        total = cost.cost(ticket.prompt_tokens, out)
+        if total > ticket.share_charged:
+            self._shares.add(ticket.group, total - ticket.share_charged)
+            ticket.share_charged = total
 
     def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
-        """Free ``ticket``'s slot and true up its cost with the real token counts.
+        """Free ``ticket``'s room and true its cost up to the real token counts.
 
         Args:
             ticket: an ADMITTED ticket.
-            prompt_tokens: real prompt tokens if the upstream reported them.
+            prompt_tokens: real prompt tokens if the upstream reported them (else the
+                estimate); 0 when the upstream refused it before serving anything.
             output_tokens: real output tokens; defaults to the last :meth:`record_output`.
 
         Returns:
             True the first time; False (and nothing changes) for a ticket that is not
-            ADMITTED, so a second release can never free a slot twice.
+            ADMITTED, so a second release can never free room twice.
         """
         if ticket.state is not TicketState.ADMITTED:
             return False
+        now = self._clock()
         ticket.state = TicketState.RELEASED
         self.inflight.discard(ticket)
-        self.inflight_tokens -= ticket.reserved_tokens
-        prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
-        out = ticket.output_tokens if output_tokens is None else output_tokens
+        self.capacity_model.release(ticket)
+        prompt = ticket.prompt_tokens if prompt_tokens is None else clamp_count(prompt_tokens)
+        out = ticket.output_tokens if output_tokens is None else clamp_count(output_tokens)
         ticket.output_tokens = out
         actual = self.policy.cost.cost(prompt, out)
+        confirmed, pending = actual - ticket.confirmed, -ticket.pending
+        ticket.confirmed, ticket.pending = actual, 0.0
         acct = self._accounts[ticket.user_id]
-        self._queue_of(ticket).charge(acct, actual - ticket.charged)
-        ticket.charged = actual
+        acct.inflight -= 1
+        self._queues[acct.group].charge(acct, confirmed, pending, pending if ticket.speculative else 0.0)
+        window = self.policy.share_window_s
+        acct.recent = acct.recent * math.exp(-max(0.0, now - acct.recent_at) / window) + actual
+        acct.recent_at = now
         # the class's share (min_share) is trued up too, or an error of the estimate at
         # dispatch would count as service the class never got (or did not pay for)
         self._shares.add(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
         ticket.share_charged = actual
-        self._shares.learn_output(ticket.user_id, ticket.max_output_tokens, out)
-        now = self._clock()
-        tokens_delta = prompt + out - ticket.reserved_tokens
-        for lim in (self._user_limits.get(ticket.user_id), self._group_limits.get(ticket.group)):
-            if lim is not None and lim.tokens is not None:
-                lim.tokens.adjust(tokens_delta, now)
+        self._usage.learn(ticket.user_id, ticket.prompt_tokens, prompt, ticket.max_output_tokens, out)
+        self.rate_limiter.settle(ticket.rate, prompt + out, now)
+        self._maybe_idle(acct)
         self._dispatch()
         return True
 
     def expire(self) -> list[Ticket]:
-        """Refuse every queued ticket whose deadline has passed (reason TIMEOUT).
+        """Refuse every queued ticket whose deadline has passed (reason TIMEOUT); their
+        rate-limit reservations are refunded in full.
 
         Returns them; ``on_refuse`` is called for each. O(k log n) for k expired.
         """
@@ -466,7 +548,6 @@ class Scheduler:
                     t,
                     Refused(RefusalReason.TIMEOUT, self._retry_hint(), f"waited {now - t.enqueued_at:.1f} s in the queue"),
                 )
-                self._refund_rate(t)
                 out.append(t)
         if out:
             self._dispatch()
@@ -499,15 +580,45 @@ class Scheduler:
         return {q.name: len(q) for q in self._order}
 
     def counters(self) -> dict[str, float]:
-        """Virtual token counter of every user seen (token units / weight)."""
+        """Confirmed counter of every user tracked: service rendered (token units /
+        weight), relative to its class's virtual time base."""
         return {uid: a.counter for uid, a in self._accounts.items()}
 
-    def snapshot(self) -> dict:
-        """A JSON-ready view for status pages: per class depth and in-flight, per user
-        counter and weight."""
+    def order_keys(self) -> dict[str, float]:
+        """The key that orders every user tracked: confirmed counter plus the pending
+        estimate of its requests in flight, per weight."""
+        return {uid: a.key for uid, a in self._accounts.items()}
+
+    def user_state(self, user_id: str) -> dict | None:
+        """One user's fair-share state (JSON-ready), or ``None`` if not tracked:
+        class, weight, counter, pending, key, requests queued and in flight."""
+        a = self._accounts.get(user_id)
+        if a is None:
+            return None
+        return {
+            "user": a.user_id, "group": a.group, "weight": a.weight, "counter": a.counter, "pending": a.pending,
+            "key": a.key, "queued": len(a.queue), "inflight": a.inflight,
+        }  # fmt: skip
+
+    @property
+    def users_tracked(self) -> int:
+        """Users whose fair-share state is kept now."""
+        return len(self._accounts)
+
+    def snapshot(self, top_users: int = 20) -> dict:
+        """A JSON-ready view for status pages: per class depth, in flight and virtual
+        time; the ``top_users`` users by recent service (decayed with
+        ``share_window_s``), and how many users are tracked in all."""
+        now = self._clock()
+        window = self.policy.share_window_s
         inflight_by_group: dict[str, int] = {}
         for t in self.inflight:
             inflight_by_group[t.group] = inflight_by_group.get(t.group, 0) + 1
+
+        def recent(a: UserAccount) -> float:
+            return a.recent * math.exp(-max(0.0, now - a.recent_at) / window)
+
+        top = heapq.nlargest(max(0, top_users), self._accounts.values(), key=lambda a: (recent(a), len(a.queue) + a.inflight))
         return {
             "inflight": len(self.inflight),
             "capacity": self.capacity,
@@ -519,13 +630,34 @@ class Scheduler:
                     "queued": len(q),
                     "inflight": inflight_by_group.get(q.name, 0),
                     "virtual_time": q.vtime,
+                    "users": len(q.members),
                 }
                 for q in self._order
             ],
-            "users": {uid: {"counter": a.counter, "weight": a.weight, "queued": len(a.queue)} for uid, a in self._accounts.items()},
+            "users_total": len(self._accounts),
+            "users_forgotten": self.users_forgotten,
+            "users": [
+                {
+                    "user": a.user_id,
+                    "group": a.group,
+                    "weight": a.weight,
+                    "counter": a.counter,
+                    "pending": a.pending,
+                    "queued": len(a.queue),
+                    "inflight": a.inflight,
+                    "recent_service": round(recent(a), 3),
+                }
+                for a in top
+            ],
         }
 
     def tickets_waiting(self) -> Iterable[Ticket]:
         """All queued tickets, highest class first, arrival order within a class."""
         for q in self._order:
             yield from q.tickets()
+
+
+def _first_seq(acct: UserAccount) -> int:
+    """Accounts with queued tickets in arrival order of their first one (so a reload
+    re-queues moved tickets in the order they came), idle accounts last."""
+    return next(iter(acct.queue)) if acct.queue else 1 << 62

@@ -26,6 +26,7 @@ class RefusalReason(enum.Enum):
     EVICTED = "evicted"
     CANCELLED = "client_cancelled"
     SHUTDOWN = "shutting_down"
+    TOO_LARGE = "request_too_large"  # its reservation can never fit max_inflight_tokens
 
 
 class Refused(Exception):
@@ -60,16 +61,33 @@ class Ticket:
         seq: arrival order, unique per scheduler.
         user_id, group: who asked, and the priority class it is queued in.
         prompt_tokens: estimated prompt length (tokens).
-        max_output_tokens: output tokens assumed at admission (the request's
-            ``max_tokens`` or the cost model's default).
+        max_output_tokens: output tokens *reserved* (all choices): the request's
+            ``max_tokens`` or the cost model's default, clamped to the ceiling, times
+            its output multiplier (:meth:`qos.CostModel.reserve_output`). A capacity
+            and rate-limit reservation only, never a fair-share cost.
+        choices: the output multiplier (``max(n, best_of)``) the reservation counts.
         enqueued_at, admitted_at: clock readings (seconds).
         deadline: clock reading after which a queued ticket times out.
-        charged: cost (token units, before division by the user's weight) charged so far.
+        confirmed: cost (token units, before division by the user's weight) of the
+            service this request has been seen to receive: output as it is produced,
+            and at the end the real prompt and output counts. Confirmed cost is what a
+            user's fair-share counter holds.
+        pending: the expected cost of the rest while in flight (token units): the
+            expected prompt plus the expected output not produced yet
+            (:class:`qos.usage_model.UsageModel`). It orders the user, so requests in
+            flight throttle it; it is 0 once the ticket is released.
+        expected_prompt, expected_output: what the usage model expected at dispatch
+            (tokens).
+        speculative: its user had no finished request when it was dispatched, so its
+            expectation is the request's own claim (it never moves a virtual time).
         share_charged: cost counted so far toward its class's share (``min_share``): an
             estimate from the user's past output at dispatch, real counts later.
         output_tokens: output tokens reported so far.
         state: see :class:`TicketState`.
         refusal: set when the state is REFUSED.
+        rate: the rate-limit reservation (:class:`qos.rate_limit.RateReservation`).
+        placement: set by the capacity model at dispatch (where the request was given
+            room; an engine, for a pool), handed back to it at release.
         context: free slot for the caller (the proxy keeps its wake-up future here).
     """
 
@@ -80,15 +98,28 @@ class Ticket:
     max_output_tokens: int
     enqueued_at: float
     deadline: float
+    choices: int = 1
     admitted_at: float | None = None
-    charged: float = 0.0
+    confirmed: float = 0.0
+    pending: float = 0.0
+    expected_prompt: float = 0.0
+    expected_output: float = 0.0
+    speculative: bool = False
     share_charged: float = 0.0
     output_tokens: int = 0
     state: TicketState = TicketState.QUEUED
     refusal: Refused | None = None
+    rate: Any = field(default=None, repr=False)
+    placement: Any = field(default=None, repr=False)
     context: Any = field(default=None, repr=False)
 
     @property
     def reserved_tokens(self) -> int:
-        """Tokens this request may occupy upstream (prompt + max output)."""
+        """Tokens this request may occupy upstream (prompt + reserved output)."""
         return self.prompt_tokens + self.max_output_tokens
+
+    @property
+    def charged(self) -> float:
+        """What the request weighs in its user's order now (token units): confirmed
+        plus pending; after release, the real cost."""
+        return self.confirmed + self.pending

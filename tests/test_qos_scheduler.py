@@ -150,21 +150,24 @@ def test_weights_3_to_1_give_3_to_1_token_service(sizes):
 def test_true_up_at_release_changes_order(real_output, next_user):
     h = Harness(pol(max_inflight=1))
     b0 = h.submit("B", 500)  # B counter 500
-    a1 = h.submit("A", 10, 1000)  # estimate 1010
+    a1 = h.submit("A", 10, 1000)
+    b1 = h.submit("B", 10)
+    a2 = h.submit("A", 10)  # (A still has a1 waiting: no lift)
     h.release_exact(b0)
     assert a1.state is TicketState.ADMITTED
-    assert h.s.counters()["A"] == 1010
-    b1 = h.submit("B", 10)
-    a2 = h.submit("A", 10)
+    # A has no finished request yet: its request weighs what it claims (its estimate and
+    # its max_tokens) while it runs; that orders A, it is not service
+    assert h.s.order_keys()["A"] == 1010 and h.s.counters()["A"] == 0
     h.s.release(a1, output_tokens=real_output)
-    assert h.s.counters()["A"] == 10 + real_output + a2.charged  # a2.charged: 0 unless admitted
+    assert h.s.counters()["A"] == 10 + real_output
+    assert h.s.order_keys()["A"] == 10 + real_output + a2.charged  # a2.charged: 0 unless admitted
     assert h.admitted[-1] is (a2 if next_user == "A" else b1)
 
 
 def test_release_with_real_prompt_tokens_trues_up_prompt_too():
     h = Harness(pol(max_inflight=1))
     t = h.submit("A", 100, 50)
-    assert h.s.counters()["A"] == 150
+    assert h.s.order_keys()["A"] == 150 and h.s.counters()["A"] == 0
     assert h.s.release(t, prompt_tokens=40, output_tokens=10)
     assert h.s.counters()["A"] == 50
     assert t.charged == 50
@@ -175,23 +178,27 @@ def test_record_output_charges_streaming_beyond_estimate():
     a = h.submit("A", 10, 10)  # charged 20
     h.submit("A", 10)
     b = h.submit("B", 10)
-    assert h.s.counters()["A"] == 20
+    assert h.s.order_keys()["A"] == 20
     h.s.record_output(a, 500)
-    assert h.s.counters()["A"] == 510 and a.charged == 510
+    # the output is confirmed as produced; the prompt stays an estimate until the end
+    assert h.s.order_keys()["A"] == 510 and a.charged == 510 and h.s.counters()["A"] == 500
     h.s.record_output(a, 400)  # not cumulative-increasing: ignored, no refund
-    assert h.s.counters()["A"] == 510
+    assert h.s.order_keys()["A"] == 510
     h.s.release(a)  # output defaults to the last recorded count: no further change
-    assert h.s.counters()["A"] == 510 and a.output_tokens == 500
+    assert h.s.counters()["A"] == 510 and h.s.order_keys()["A"] == 510 and a.output_tokens == 500
     assert h.admitted[-1] is b  # A now far ahead: B first
 
 
 def test_record_output_within_estimate_charges_nothing_and_ignores_queued():
     h = Harness(pol(max_inflight=1))
-    a = h.submit("A", 10, 100)
+    h.s.release(h.submit("A", 10, 100), output_tokens=100)  # A's answers fill max_tokens
+    a = h.submit("A", 10, 100)  # so 100 output tokens are expected of this one
     q = h.submit("A", 10, 100)
+    assert h.s.order_keys()["A"] == 110 + 110
     h.s.record_output(a, 50)
     h.s.record_output(q, 999)  # queued: nothing to charge
-    assert h.s.counters()["A"] == 110 and q.charged == 0
+    assert h.s.order_keys()["A"] == 220 and q.charged == 0  # within the expectation: the order is unchanged
+    assert h.s.counters()["A"] == 110 + 50  # the service seen so far
 
 
 def test_weight_zero_user_served_only_when_no_positive_user_waits():
@@ -216,12 +223,13 @@ def test_newly_backlogged_user_is_lifted_and_cannot_bank_credit():
         h.submit("A", 100)
     h.s.release(first)
     h.serve(10)
-    a_counter = h.s.counters()["A"]
+    a_key = h.s.order_keys()["A"]  # A's key, with its request in flight (100)
     assert h.s.counters()["B"] == 100
     for _ in range(10):
         h.submit("B", 100)
-    # lifted to the smallest backlogged counter (A's), not left at its old 100
-    assert h.s.counters()["B"] == a_counter
+    # lifted to the virtual time (A's key when its request in flight was picked), not
+    # left at its old 100
+    assert h.s.counters()["B"] == a_key - 100 == h.s.snapshot()["groups"][0]["virtual_time"]
     got = h.serve(10)
     n_b = sum(t.user_id == "B" for t in got)
     assert 4 <= n_b <= 6  # alternates, no burst of B
@@ -237,7 +245,8 @@ def test_new_user_is_lifted_to_virtual_time_when_class_idle_even_after_reload():
     assert h.s.snapshot()["groups"][0]["virtual_time"] == vt
     n = h.submit("N", 100)
     assert n.state is TicketState.ADMITTED
-    assert h.s.counters()["N"] == vt + 100  # no banked credit for a newcomer
+    assert h.s.counters()["N"] == vt  # no banked credit for a newcomer
+    assert h.s.order_keys()["N"] == vt + 100
 
 
 def test_user_requests_with_different_trusted_groups_do_not_corrupt_queues():
@@ -261,10 +270,11 @@ def test_user_requests_with_different_trusted_groups_do_not_corrupt_queues():
 def test_true_up_of_ticket_from_another_class_reorders_users_current_class():
     h = Harness(pol(("gold", "bronze"), max_inflight=1))
     h.release_exact(h.submit("v", 500, group="bronze"))  # v: 500
-    g = h.submit("u", 10, 1000, group="gold")  # u: 1010, in flight
+    h.s.release(h.submit("u", 10, 1000, group="gold"), output_tokens=1000)  # u's answers fill max_tokens
+    g = h.submit("u", 10, 1000, group="gold")  # u: 1010 expected, in flight
     v = h.submit("v", 10, group="bronze")
-    u = h.submit("u", 10, group="bronze")  # u now queues in bronze, counter 1010
-    assert h.s.counters() == {"v": 500, "u": 1010}
+    u = h.submit("u", 10, group="bronze")  # u now queues in bronze, key 1010 (in flight)
+    assert h.s.order_keys() == {"v": 500, "u": 1010}
     h.s.release(g, output_tokens=0)  # refund: u back to 10, below v
     assert h.admitted[-1] is u and v.state is TicketState.QUEUED
 
@@ -441,7 +451,9 @@ def test_release_of_queued_ticket_is_refused():
 # ------------------------------------------------------------------ capacity
 
 
-def test_max_inflight_tokens_caps_sum_but_admits_oversize_when_idle():
+def test_max_inflight_tokens_caps_sum_and_refuses_what_can_never_fit():
+    # (issue 10 changed this: an oversize request used to be admitted when nothing was
+    # in flight, and then held every other class back while slots were free)
     h = Harness(pol(max_inflight=10, max_inflight_tokens=1000))
     a = h.submit("a", 500, 100)
     b = h.submit("b", 300)
@@ -453,12 +465,12 @@ def test_max_inflight_tokens_caps_sum_but_admits_oversize_when_idle():
     h.s.release(a)
     h.s.release(c)
     assert h.s.inflight_tokens == 0
-    huge = h.submit("h", 5000, 1000)
-    assert huge.state is TicketState.ADMITTED and h.s.inflight_tokens == 6000
-    nxt = h.submit("i", 1)
-    assert nxt.state is TicketState.QUEUED
-    h.s.release(huge)
-    assert nxt.state is TicketState.ADMITTED
+    with pytest.raises(Refused) as e:
+        h.submit("h", 5000, 1000)
+    assert e.value.reason is RefusalReason.TOO_LARGE and "1000" in e.value.detail
+    assert h.s.queued == 0 and not h.s.inflight and "h" not in h.s.counters()
+    exact = h.submit("i", 1000)  # exactly the cap fits
+    assert exact.state is TicketState.ADMITTED and h.s.inflight_tokens == 1000
 
 
 def test_max_inflight_is_respected():

@@ -1,0 +1,131 @@
+"""Capacity accounting: may the next request go upstream now, and where.
+
+The scheduler decides *who* goes next (priority, fair share); a :class:`Capacity`
+decides *whether there is room* for that request and reserves it. Keeping the two apart
+is what lets capacity grow later without touching the scheduler: a pool of engines that
+binds a request to the engine with the most headroom at dispatch, or capacity leased
+from a store shared by several proxy processes, is another :class:`Capacity`.
+
+:class:`LocalCapacity` is the one engine, one process case: ``max_inflight`` slots,
+optionally ``max_inflight_tokens`` tokens of reservations, and a lower slot limit while
+an outside signal (the engine's load) asks for one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .policy import SchedulerPolicy
+    from .ticket import Ticket
+
+
+class Capacity(Protocol):
+    """What the scheduler asks about capacity (all sizes in tokens of reservation:
+    prompt + reserved output, :attr:`qos.Ticket.reserved_tokens`).
+
+    Implementations are called synchronously from inside the scheduler's methods and
+    must not call back into it; after capacity grows outside the scheduler's own calls
+    (a lease granted, an engine back), the owner calls :meth:`qos.Scheduler.dispatch`.
+    """
+
+    def configure(self, policy: SchedulerPolicy) -> None:
+        """Apply a new policy (its ``max_inflight`` and ``max_inflight_tokens``, if
+        this implementation takes its limits from the policy)."""
+
+    @property
+    def slots(self) -> int:
+        """Requests allowed in flight now (>= 1)."""
+
+    @property
+    def inflight(self) -> int:
+        """Requests holding room now."""
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Sum of the reservations holding room now (tokens)."""
+
+    def set_limit(self, limit: int | None) -> None:
+        """Lower the slots for as long as an outside load signal asks (``None`` lifts
+        it); raises ValueError below 1."""
+
+    def admissible(self, tokens: int) -> bool:
+        """Whether a request of this reservation could *ever* get room (when nothing
+        else is in flight); one that cannot is refused at once."""
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of this reservation would get room now (no side effect)."""
+
+    def reserve(self, ticket: Ticket) -> bool:
+        """Give ``ticket`` room now if it fits (and, for a pool, choose where: set
+        ``ticket.placement``); False and no change if it does not."""
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back the room ``reserve`` gave ``ticket`` (exactly once per reserve)."""
+
+
+class LocalCapacity:
+    """Slots and tokens of one engine as seen by one process.
+
+    Args:
+        max_inflight: slots (>= 1).
+        max_inflight_tokens: cap on the sum of reservations in flight, or ``None``.
+    """
+
+    def __init__(self, max_inflight: int = 8, max_inflight_tokens: int | None = None) -> None:
+        self.max_inflight = max_inflight
+        self.max_inflight_tokens = max_inflight_tokens
+        self.limit: int | None = None
+        self._inflight = 0
+        self._inflight_tokens = 0
+
+    def configure(self, policy: SchedulerPolicy) -> None:
+        """Take ``max_inflight`` and ``max_inflight_tokens`` from ``policy`` (requests
+        in flight keep their room; a lower limit lets the surplus finish)."""
+        self.max_inflight = policy.max_inflight
+        self.max_inflight_tokens = policy.max_inflight_tokens
+
+    def set_limit(self, limit: int | None) -> None:
+        """Lower the slots below ``max_inflight`` (``None`` lifts the limit).
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
+        self.limit = limit
+
+    @property
+    def slots(self) -> int:
+        """``max_inflight``, or the limit from :meth:`set_limit` when lower."""
+        return self.max_inflight if self.limit is None else min(self.limit, self.max_inflight)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def inflight_tokens(self) -> int:
+        return self._inflight_tokens
+
+    def admissible(self, tokens: int) -> bool:
+        cap = self.max_inflight_tokens
+        return cap is None or tokens <= cap
+
+    def fits(self, tokens: int) -> bool:
+        if self._inflight >= self.slots:
+            return False
+        cap = self.max_inflight_tokens
+        return cap is None or self._inflight_tokens + tokens <= cap
+
+    def reserve(self, ticket: Ticket) -> bool:
+        tokens = ticket.reserved_tokens
+        if not self.fits(tokens):
+            return False
+        self._inflight += 1
+        self._inflight_tokens += tokens
+        return True
+
+    def release(self, ticket: Ticket) -> None:
+        self._inflight -= 1
+        self._inflight_tokens -= ticket.reserved_tokens
