@@ -135,7 +135,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             await resp.write(_chunk(i, created, chat, False, n, prompt, False))
             stats.tokens_sent += 1
         opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if isinstance(opts, dict) and opts.get("include_usage") and fake.get("usage", True):
             # as vLLM and OpenAI: the last chunk carries the finish_reason, then a
             # usage-only chunk with no choices
             await resp.write(_chunk(n, created, chat, True, n, prompt, False))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+
 
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 
@@ -26,15 +26,11 @@ class Admission:
 
     Attributes:
         clock: the scheduler's clock.
-        on_release: functions called with each ticket :meth:`release` frees (after the
-            scheduler has trued up its cost: ``ticket.charged`` is final); they must not
-            raise or block.
     """
 
     def __init__(self, policy: SchedulerPolicy, clock=time.monotonic) -> None:
         self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse)
         self._clock = self.clock = clock
-        self.on_release: list[Callable[[Ticket], None]] = []
 
     @staticmethod
     def _wake(ticket: Ticket) -> None:
@@ -107,13 +103,8 @@ class Admission:
         return loop.time() + max(0.0, ticket.deadline - self._clock())
 
     def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
-        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`.
-        Then tells the :attr:`on_release` listeners."""
-        if not self.scheduler.release(ticket, prompt_tokens, output_tokens):
-            return False
-        for listener in self.on_release:
-            listener(ticket)
-        return True
+        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`."""
+        return self.scheduler.release(ticket, prompt_tokens, output_tokens)
 
     def update_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy (hot reload); see :meth:`qos.Scheduler.update_policy`."""

@@ -15,7 +15,7 @@ The data is read, at request time, from the same places as ``/admin/status`` and
 ``/admin/status`` shows), the Prometheus counters (tokens, refusals, queue waits: rates
 over the last :data:`WINDOW_S` seconds, from samples this module keeps, at most one per
 :data:`SAMPLE_INTERVAL_S`, taken when the data is asked for; nothing runs while nobody
-looks), the load signal (engine load), and :class:`UserUsage` (each user's service).
+looks), and the load signal (engine load).
 
 Shape (``version`` 1; times in seconds, shares as fractions 0..1, ``null`` when unknown)::
 
@@ -40,9 +40,9 @@ group's users active in the window), which is what weighted fair sharing promise
 that stay backlogged.
 
 ``engines`` is a list so that several engines fill it; today it holds the one upstream.
-``users`` comes from :class:`UserUsage`, fed by :class:`proxy.admission.Admission` as each
-request is released; when the scheduler reports its own top users by recent service,
-:meth:`Dashboard.users` reads those instead and :class:`UserUsage` goes.
+``users`` comes from the scheduler's own tally of each user's recent service (decayed
+with time constant ``admission.share_window_s``; :meth:`qos.Scheduler.snapshot`): its top
+users, and per group the service of all users and the weight of the active ones.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from typing import Callable
 
 from aiohttp import web
 
-from qos import Ticket
 
 from .admin import check_admin
 from .handlers import STATE
@@ -67,8 +66,6 @@ from .state import ProxyState
 WINDOW_S = 30.0  # the window of every rate and share
 SAMPLE_INTERVAL_S = 0.5  # at most one sample of the counters per this many seconds
 TOP_USERS = 10
-MAX_TRACKED_USERS = 10_000  # UserUsage forgets the least served users beyond this
-FORGET_BELOW = 1e-3  # UserUsage forgets a user whose decayed service falls below this (token units)
 
 # the page's security headers: its own script, style and origin only; never framed
 PAGE_HEADERS = {
@@ -81,72 +78,6 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 _STATIC = {"dashboard": ("dashboard.html", "text/html"), "dashboard.js": ("dashboard.js", "text/javascript"), "dashboard.css": ("dashboard.css", "text/css")}
-
-
-class UserUsage:
-    """Each user's recent service (token units), decayed exponentially with time constant
-    ``window_s``, with the user's group. Bounded: at most ``max_users`` users (the least
-    served are forgotten first), and users whose service decayed below
-    :data:`FORGET_BELOW` are forgotten when read.
-
-    Args:
-        window_s: decay time constant (seconds).
-        clock: monotonic clock (seconds).
-        max_users: most users tracked.
-    """
-
-    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic, max_users: int = MAX_TRACKED_USERS) -> None:
-        self.window_s = window_s
-        self.max_users = max_users
-        self._clock = clock
-        self._users: dict[str, list] = {}  # user -> [decayed service, at (clock s), group]
-        self._since = clock()
-
-    def __len__(self) -> int:
-        """Users tracked now."""
-        return len(self._users)
-
-    def record(self, ticket: Ticket) -> None:
-        """Count a released ``ticket``'s final cost (``ticket.charged``, token units) for
-        its user. Called by :class:`proxy.admission.Admission` after each release."""
-        now = self._clock()
-        entry = self._users.get(ticket.user_id)
-        if entry is None:
-            if len(self._users) >= self.max_users:
-                self._forget(now)
-            self._users[ticket.user_id] = [max(0.0, ticket.charged), now, ticket.group]
-            return
-        entry[0] = entry[0] * math.exp(-(now - entry[1]) / self.window_s) + max(0.0, ticket.charged)
-        entry[1], entry[2] = now, ticket.group
-
-    def _forget(self, now: float) -> None:
-        live = self.service(now)
-        keep = sorted(live, key=lambda u: live[u][0], reverse=True)[: max(0, self.max_users * 3 // 4)]
-        self._users = {u: self._users[u] for u in keep}
-
-    def rate(self, service: float, now: float) -> float:
-        """A decayed service sum (token units) as a rate (token units per second): the
-        sum over the time constant, corrected while less than a few time constants of
-        history exist (a steady rate ``r`` has the sum ``r * window_s * (1 - exp(-age /
-        window_s))`` after ``age`` seconds)."""
-        age = max(1e-9, now - self._since)
-        return service / (self.window_s * -math.expm1(-age / self.window_s))
-
-    def service(self, now: float | None = None) -> dict[str, tuple[float, str]]:
-        """``{user: (decayed service in token units, group)}`` now; forgets the users
-        whose service decayed below :data:`FORGET_BELOW`."""
-        now = self._clock() if now is None else now
-        out: dict[str, tuple[float, str]] = {}
-        gone = []
-        for uid, (value, at, group) in self._users.items():
-            v = value * math.exp(-(now - at) / self.window_s)
-            if v < FORGET_BELOW:
-                gone.append(uid)
-            else:
-                out[uid] = (v, group)
-        for uid in gone:
-            del self._users[uid]
-        return out
 
 
 @dataclass(slots=True)
@@ -246,7 +177,7 @@ class Dashboard:
         self._signal = load_signal
         self._clock = clock
         self.window_s = window_s
-        self.usage = UserUsage(window_s, clock)
+        self._since = clock()
         self._samples: deque[_Sample] = deque()
 
     # ----------------------------------------------------------------- samples
@@ -344,37 +275,30 @@ class Dashboard:
         }
 
     def users(self, snap: dict, now: float, top: int = TOP_USERS) -> dict:
-        """The ``top`` users by recent service, with their share of their group's service
-        and their weight share among the group's active users."""
-        served = self.usage.service(now)
-        queued = snap["users"]
-        weights = {uid: u["weight"] for uid, u in queued.items()}
-        policy = self._state.admission.scheduler.policy
-        group_service: dict[str, float] = {}
-        group_weight: dict[str, float] = {}
-        active: dict[str, tuple[float, str]] = dict(served)
-        for uid, u in queued.items():  # backlogged users count as active even before any service
-            if u["queued"] and uid not in active:
-                active[uid] = (0.0, policy.user(uid).group)
-        for uid, (v, group) in active.items():
-            group_service[group] = group_service.get(group, 0.0) + v
-            group_weight[group] = group_weight.get(group, 0.0) + weights.get(uid, policy.user(uid).weight)
-        ranked = sorted(active.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+        """The ``top`` users by recent service (from the scheduler's snapshot ``snap``),
+        with their share of their group's service and their weight share among the
+        group's active users."""
+        groups = {g["name"]: g for g in snap["groups"]}
+        window = self._state.admission.scheduler.policy.share_window_s
+        # a decayed sum of a steady rate r is r * window * (1 - exp(-age / window))
+        age = max(1e-9, now - self._since)
+        span = window * -math.expm1(-age / window)
         rows = []
-        for uid, (v, group) in ranked:
-            w = weights.get(uid, policy.user(uid).weight)
+        for u in snap["users"][:top]:
+            g = groups.get(u["group"], {})
+            v = u["recent_service"]
             rows.append(
                 {
-                    "id": uid,
-                    "group": group,
-                    "weight": w,
-                    "weight_share": _share(w, group_weight.get(group, 0.0)),
-                    "service_share": _share(v, group_service.get(group, 0.0)),
-                    "service_per_s": self.usage.rate(v, now),
-                    "queued": queued.get(uid, {}).get("queued", 0),
+                    "id": u["user"],
+                    "group": u["group"],
+                    "weight": u["weight"],
+                    "weight_share": _share(u["weight"], g.get("active_weight", 0.0)),
+                    "service_share": _share(v, g.get("recent_service", 0.0)),
+                    "service_per_s": v / span,
+                    "queued": u["queued"],
                 }
             )
-        return {"source": "proxy", "total": len(active), "top": rows}
+        return {"source": "scheduler", "total": snap["users_total"], "top": rows}
 
     def engines(self, now: float) -> list[dict]:
         """One entry per engine behind this proxy (today: the one upstream)."""
@@ -420,10 +344,9 @@ def _static(name: str) -> tuple[bytes, str]:
 def add_routes(app: web.Application) -> None:
     """Register ``GET /admin/dashboard`` (the page), its script and style (no key: static
     text, no data) and ``GET /admin/dashboard.json`` (admin key), and create the
-    :class:`Dashboard` (its :class:`UserUsage` listens to the app's admission)."""
+    :class:`Dashboard`."""
     state = app[STATE]
     dashboard = app[DASHBOARD] = Dashboard(state, app[LOAD_SIGNAL], state.admission.clock)
-    state.admission.on_release.append(dashboard.usage.record)
     for route in _STATIC:
         body, content_type = _static(route)
 

@@ -52,6 +52,7 @@ from .usage_model import UsageModel
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
 Clock = Callable[[], float]
+ACTIVE_SERVICE = 1e-3  # recent service (token units) below which an idle user counts as inactive
 TicketCallback = Callable[[Ticket], None]
 
 
@@ -606,9 +607,11 @@ class Scheduler:
         return len(self._accounts)
 
     def snapshot(self, top_users: int = 20) -> dict:
-        """A JSON-ready view for status pages: per class depth, in flight and virtual
-        time; the ``top_users`` users by recent service (decayed with
-        ``share_window_s``), and how many users are tracked in all."""
+        """A JSON-ready view for status pages: per class depth, in flight, virtual time,
+        recent service (token units, decayed with time constant ``share_window_s``) and
+        the summed weight of its active users (served lately, waiting or in flight); the
+        ``top_users`` users by recent service, and how many users are tracked in all.
+        O(users tracked)."""
         now = self._clock()
         window = self.policy.share_window_s
         inflight_by_group: dict[str, int] = {}
@@ -619,6 +622,16 @@ class Scheduler:
             return a.recent * math.exp(-max(0.0, now - a.recent_at) / window)
 
         top = heapq.nlargest(max(0, top_users), self._accounts.values(), key=lambda a: (recent(a), len(a.queue) + a.inflight))
+        # per class: the recent service of all its users, and the weight of those active
+        # (served lately, waiting or in flight), so a user's share can be read against
+        # its weight share without listing every user
+        group_recent: dict[str, float] = {}
+        group_weight: dict[str, float] = {}
+        for a in self._accounts.values():
+            r = recent(a)
+            group_recent[a.group] = group_recent.get(a.group, 0.0) + r
+            if r > ACTIVE_SERVICE or a.queue or a.inflight:
+                group_weight[a.group] = group_weight.get(a.group, 0.0) + a.weight
         return {
             "inflight": len(self.inflight),
             "capacity": self.capacity,
@@ -631,6 +644,8 @@ class Scheduler:
                     "inflight": inflight_by_group.get(q.name, 0),
                     "virtual_time": q.vtime,
                     "users": len(q.members),
+                    "recent_service": round(group_recent.get(q.name, 0.0), 3),
+                    "active_weight": group_weight.get(q.name, 0.0),
                 }
                 for q in self._order
             ],

@@ -173,7 +173,8 @@ def test_the_dashboard_shows_what_admin_status_shows(proxy):
             assert [g["name"] for g in st["groups"]] == page.locator("#groups tr[data-group]").evaluate_all("rows => rows.map(r => r.dataset.group)")
             expect(field(page, '#engines tr[data-engine="upstream"]', "inflight")).to_contain_text(f'{st["inflight"]} / {st["capacity"]}')
             expect(field(page, '#groups tr[data-group="bronze"]', "oldest_wait_s")).not_to_have_text("–")
-            for uid, u in st["users"].items():
+            for u in st["users"]:
+                uid = u["user"]
                 if u["queued"]:
                     row = page.locator("#users tr[data-user]").filter(has=page.locator('[data-field="id"]', has_text=uid))
                     expect(row.locator('[data-field="queued"]')).to_have_text(str(u["queued"]))

@@ -1,5 +1,5 @@
 """The dashboard's JSON through real sockets, and its pieces: quantiles of a cumulative
-histogram, the bounded per-user service tally."""
+histogram, the scheduler's per-group service and active weight."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from proxy.config_watch import reload_config
-from proxy.dashboard import UserUsage, bucket_quantile
-from qos import Ticket
+from proxy.dashboard import bucket_quantile
+from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
 from tests.conftest import wait_until
 
 ADMIN = {"Authorization": "Bearer adm-1"}
@@ -33,31 +33,31 @@ class Clock:
         return self.t
 
 
-def _ticket(user: str, group: str, charged: float) -> Ticket:
-    t = Ticket(seq=1, user_id=user, group=group, prompt_tokens=0, max_output_tokens=0, enqueued_at=0.0, deadline=0.0)
-    t.charged = charged
-    return t
-
-
-def test_user_usage_decays_forgets_and_stays_bounded():
+def test_the_snapshot_gives_each_groups_service_and_active_weight():
+    """What the dashboard's user shares are read against: per group the decayed service
+    of every user, and the weight of the users active (served lately, or waiting)."""
     clock = Clock()
-    usage = UserUsage(window_s=10.0, clock=clock, max_users=100)
-    usage.record(_ticket("a", "g", 100.0))
-    clock.t += 10.0
-    usage.record(_ticket("a", "g", 100.0))
-    assert usage.service()["a"] == (pytest.approx(100.0 * math.exp(-1) + 100.0), "g")
-    # a steady 10 units/s reads as 10/s, also before a full time constant of history
-    steady = UserUsage(window_s=10.0, clock=clock)
-    for _ in range(50):
-        clock.t += 0.1
-        steady.record(_ticket("s", "g", 1.0))
-    assert steady.rate(steady.service()["s"][0], clock.t) == pytest.approx(10.0, rel=0.05)
-    clock.t += 1000.0  # long idle: forgotten
-    assert usage.service() == {}
-    for i in range(1000):  # identity churn: never more than max_users
-        usage.record(_ticket(f"u{i}", "g", 1.0 + i))
-        assert len(usage) <= 100
-    assert "u999" in usage.service()  # the most served stay
+    policy = SchedulerPolicy(
+        groups=(GroupPolicy("g"),),
+        default_group="g",
+        users={"a": UserPolicy("a", "g", 3.0), "b": UserPolicy("b", "g", 1.0)},
+        max_inflight=4,
+        share_window_s=10.0,
+    )
+    s = Scheduler(policy, clock=clock)
+    for user, out in (("a", 30), ("b", 10)):
+        t = s.submit(user, None, 10, out)
+        s.release(t, 10, out)
+    g = s.snapshot()["groups"][0]
+    cost = policy.cost
+    assert g["recent_service"] == pytest.approx(cost.cost(10, 30) + cost.cost(10, 10), rel=1e-3)
+    assert g["active_weight"] == 4.0
+    top = s.snapshot(top_users=1)["users"]
+    assert [u["user"] for u in top] == ["a"] and top[0]["recent_service"] == pytest.approx(cost.cost(10, 30), rel=1e-3)
+    clock.t += 10.0  # one time constant later: decayed by e
+    assert s.snapshot()["groups"][0]["recent_service"] == pytest.approx(g["recent_service"] / math.e, rel=1e-3)
+    clock.t += 200.0  # long idle: nobody is active any more
+    assert s.snapshot()["groups"][0]["active_weight"] == 0.0
 
 
 async def test_dashboard_json_needs_the_admin_key_and_lists_groups_and_engines(make_stack, http, monkeypatch):

@@ -175,7 +175,8 @@ async def test_huge_max_tokens_then_disconnect_does_not_starve_a_newcomer(stack)
     assert after.count("newbie") == 6 and last < 30, after[:40]
 
 
-async def test_prompt_stuffed_in_tools_is_counted_against_the_rate_limit(stack):
+@pytest.mark.parametrize("reported", [{"usage": False}, {"prompt": 5200}], ids=["no-usage", "usage-asked-by-the-proxy"])
+async def test_prompt_stuffed_in_tools_is_counted_against_the_rate_limit(stack, reported):
     """A user limited to 3 000 tokens a minute streams requests with a 5 000-token prompt
     in ``tools`` and no usage report: one such request goes (a request larger than the
     bucket is served once when the bucket is full), the next ones get 429 (with the old
@@ -190,7 +191,9 @@ async def test_prompt_stuffed_in_tools_is_counted_against_the_rate_limit(stack):
             return r.status
 
     async with aiohttp.ClientSession() as http:
-        stuffed = body("stuffer", 1, stream=True, usage=False)
+        # the engine reports no usage, or (asked by the proxy: upstream.stream_usage) the
+        # real prompt size; either way the stuffed tools count
+        stuffed = body("stuffer", 1, stream=True, **reported)
         stuffed["tools"] = tools
         assert await stream("stuffer", stuffed) == 200
         codes = await asyncio.gather(*[stream("stuffer", stuffed) for _ in range(5)], *[stream("short", body("short", 4, stream=True)) for _ in range(5)])

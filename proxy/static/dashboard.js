@@ -111,7 +111,7 @@
       ),
     );
 
-    $("#users-total").textContent = `${d.users.top.length} of ${num(d.users.total)} active in the window, by service`;
+    $("#users-total").textContent = `${d.users.top.length} of ${num(d.users.total)} users tracked, by recent service`;
     $("#users tbody").replaceChildren(
       ...d.users.top.map((u) =>
         el(
