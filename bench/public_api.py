@@ -14,8 +14,7 @@ Two hot-path operations had private shortcuts, replaced by public ways:
 
 For each: the stock public call, the public way the proxy uses, and what it means for
 one finished request (5 labelled metric updates and 1 access-log line, as in
-``proxy.handlers._account`` and ``_log_access``). Also timed: the dashboard's per-user
-tally (``proxy.dashboard.UserUsage.record``), which every released request feeds. Timings are the median of
+``proxy.handlers._account`` and ``_log_access``). Timings are the median of
 ``--repeats`` runs of ``--iters`` calls (the machine may be shared).
 
     python -m bench.public_api
@@ -124,23 +123,6 @@ def log_timings(iters: int, repeats: int) -> dict[str, float]:
     for h in log.handlers:
         h.flush()
     return out
-
-
-def usage_timing(iters: int, repeats: int) -> dict[str, float]:
-    """Microseconds per ``UserUsage.record`` (50 users taking turns)."""
-    from proxy.dashboard import UserUsage
-    from qos import Ticket
-
-    usage = UserUsage()
-    tickets = [Ticket(seq=i, user_id=f"u{i % 50}", group="g", prompt_tokens=10, max_output_tokens=10, enqueued_at=0.0, deadline=0.0) for i in range(1000)]
-    for t in tickets:
-        t.charged = 30.0
-
-    def record(n: int) -> None:
-        for i in range(n):
-            usage.record(tickets[i % 1000])
-
-    return {"UserUsage.record() (dashboard tally)": _time(record, iters, repeats)}
 
 
 def main() -> None:
