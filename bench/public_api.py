@@ -132,9 +132,8 @@ def main() -> None:
     a = ap.parse_args()
     labels = label_timings(a.iters, a.repeats)
     logs = log_timings(max(1, a.iters // 4), a.repeats)
-    usage = usage_timing(a.iters, a.repeats)
     print(f"{'operation':48s} {'µs/call':>9s}")
-    for name, us in {**labels, **logs, **usage}.items():
+    for name, us in {**labels, **logs}.items():
         print(f"{name:48s} {us:9.3f}")
     stock = labels["stock labels() (counter, 2 labels)"] * 4 + labels["stock labels() (histogram, 1 label)"]
     cached = labels["LabelCache.labels() (counter)"] * 4 + labels["LabelCache.labels() (histogram)"]
