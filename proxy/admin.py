@@ -64,7 +64,9 @@ async def status(request: web.Request) -> web.Response:
     """``GET /admin/status[?top=N]``: queues, in-flight requests, per-class virtual
     time, and the ``N`` users with the most recent service (default 20, at most 1000)
     with the count of all users tracked; never every user (their number is bounded
-    only by ``admission.max_users``)."""
+    only by ``admission.max_users``); and ``shared_state``: the shared state's mode,
+    live replicas, grants per capacity key, syncs and the last sync's age and round trip
+    (``docs/scaling.md``)."""
     if (denied := check_admin(request)) is not None:
         return denied
     raw = request.query.get("top", "")
@@ -73,7 +75,10 @@ async def status(request: web.Request) -> web.Response:
         if not raw.isdigit():
             return error_response(400, "'top' must be a whole number", code="invalid_request", param="top")
         top = min(int(raw[:6]), STATUS_MAX_TOP_USERS)
-    return web.json_response(request.app[STATE].admission.scheduler.snapshot(top_users=top))
+    state = request.app[STATE]
+    snap = state.admission.scheduler.snapshot(top_users=top)
+    snap["shared_state"] = state.shared.status()  # mode, grants per key, last sync age
+    return web.json_response(snap)
 
 
 async def config(request: web.Request) -> web.Response:

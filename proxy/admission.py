@@ -16,6 +16,12 @@ import time
 
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 
+from .shared_limits import SharedRateLimiter, reserve_and_submit
+
+
+def _nothing() -> None:
+    return None
+
 
 class Admission:
     """Admission control for one proxy process.
@@ -23,13 +29,20 @@ class Admission:
     Args:
         policy: the initial scheduler policy.
         clock: monotonic clock in seconds (the scheduler's).
+        shared_limits: rate limits reserved in a shared state before submit
+            (:class:`proxy.shared_limits.SharedRateLimiter`), or ``None`` (the
+            scheduler's own buckets).
 
     Attributes:
         clock: the scheduler's clock.
+        on_wait: called (no arguments) when a request starts waiting in the queue
+            (a replica asks the shared state for a sync then: its grant may not cover it).
     """
 
-    def __init__(self, policy: SchedulerPolicy, clock=time.monotonic) -> None:
-        self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse)
+    def __init__(self, policy: SchedulerPolicy, clock=time.monotonic, shared_limits: SharedRateLimiter | None = None) -> None:
+        self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse, rate_limiter=shared_limits)
+        self.shared_limits = shared_limits
+        self.on_wait = _nothing
         self._clock = self.clock = clock
 
     @staticmethod
@@ -76,9 +89,14 @@ class Admission:
                 been removed from the queue (or released, if admission raced the cancel).
         """
         sched = self.scheduler
-        ticket = sched.submit(user_id, group, prompt_tokens, max_tokens, choices=choices, output_ceiling=output_ceiling)
+        if self.shared_limits is None:
+            ticket = sched.submit(user_id, group, prompt_tokens, max_tokens, choices=choices, output_ceiling=output_ceiling)
+        else:
+            submit = {"user_id": user_id, "group": group, "prompt_tokens": prompt_tokens, "max_output_tokens": max_tokens, "choices": choices, "output_ceiling": output_ceiling}
+            ticket = await reserve_and_submit(sched, self.shared_limits, submit)
         if ticket.state is TicketState.ADMITTED:
             return ticket
+        self.on_wait()
         fut = asyncio.get_running_loop().create_future()
         ticket.context = fut
         try:

@@ -119,6 +119,58 @@ class _SchedulerCollector(Collector):
         )
 
 
+SHARED_MODES = ("shared", "degraded", "fallback", "standalone")
+
+
+class SharedStateCollector(Collector):
+    """The shared state's health (``docs/scaling.md``), every series present from
+    start-up: the mode (one series per mode, 1 for the current one), the seconds since
+    the last successful sync, the live replicas, syncs by result, the last round trip,
+    and this process's grant on every capacity key it leases (0 until granted).
+
+    Args:
+        shared: a :class:`proxy.shared.SharedState` or :class:`proxy.shared.StandaloneState`.
+        keys: returns the capacity keys this process leases now.
+    """
+
+    def __init__(self, shared, keys: Callable[[], Iterable[str]]) -> None:
+        self._shared = shared
+        self._keys = keys
+
+    def collect(self):
+        s = self._shared
+        mode = GaugeMetricFamily(
+            "llm_qos_shared_state_mode",
+            "1 for the shared state's current mode: shared (Redis in sync), degraded (Redis failed; grants shrunk to the local share), "
+            "fallback (no sync for a lease: local shares taken), standalone (no shared_state).",
+            labels=["mode"],
+        )
+        for m in SHARED_MODES:
+            mode.add_metric([m], 1 if s.mode == m else 0)
+        yield mode
+        yield GaugeMetricFamily("llm_qos_shared_state_connected", "1 while the last call to Redis succeeded (mode shared).", value=1 if s.mode == "shared" else 0)
+        yield GaugeMetricFamily(
+            "llm_qos_shared_state_fallback", "1 while this replica enforces its local share of capacity and limits (mode degraded or fallback).",
+            value=1 if s.mode in ("degraded", "fallback") else 0,
+        )
+        age = getattr(s, "last_sync_age_s", None)
+        age_v = age() if age is not None else None
+        yield GaugeMetricFamily(
+            "llm_qos_shared_state_last_sync_age_seconds", "Seconds since the last successful sync with Redis (0 standalone; -1 never synced).",
+            value=(-1.0 if age is not None else 0.0) if age_v is None else age_v,
+        )
+        yield GaugeMetricFamily("llm_qos_shared_state_live_replicas", "Replicas with a live lease, as Redis last said (1 standalone).", value=s.live_replicas)
+        syncs = CounterMetricFamily("llm_qos_shared_state_syncs", "Syncs with Redis by result (ok, error).", labels=["result"])
+        syncs.add_metric(["ok"], getattr(s, "syncs", 0))
+        syncs.add_metric(["error"], getattr(s, "sync_failures", 0))
+        yield syncs
+        yield GaugeMetricFamily("llm_qos_shared_state_sync_rtt_seconds", "Round trip of the last successful sync.", value=getattr(s, "last_sync_rtt_s", 0.0))
+        grants = GaugeMetricFamily("llm_qos_shared_state_grant", "Units of each capacity key (engine slots or tokens) this replica may have in flight now.", labels=["key"])
+        for key in self._keys():
+            grants.add_metric([key], s.grant(key) or 0)
+        yield grants
+
+
 def oldest_waits(scheduler: Scheduler, now: float) -> dict[str, float]:
     """Seconds the oldest waiting request of each group has waited (0.0 when none waits),
     by group in priority order. ``now`` is a reading of the scheduler's clock. O(queued)."""

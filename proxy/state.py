@@ -6,13 +6,14 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import Admission
+from .capacity_leases import BoundPool, LeaseBinding, LocalEngine
 from .config import Config, ConfigError, with_upstream_urls
 from .identity import IdentityResolver
-from .metrics import Metrics
-from .pool_config import unserved
-from .shared import create_shared_state
+from .metrics import Metrics, SharedStateCollector
+from .pool_config import resolve_pools, unserved
+from .shared import StandaloneState, create_shared_state
+from .shared_limits import SharedRateLimiter
 from .upstream import Upstream
-from .workers import split_for_worker
 
 
 @dataclass(slots=True)
@@ -42,8 +43,12 @@ class ProxyState:
         config_path: the file it came from (for reloads), or ``None``.
         upstream_override: upstream URL(s) applied on every load (the CLI's
             ``--upstream``; several make a pool: :func:`proxy.config.with_upstream_urls`).
-        worker: (index, count) for one of ``--workers`` processes: every load is
-            :func:`proxy.workers.split_for_worker`'s part of the file.
+        worker: (index, count) for one of ``--workers`` processes (each is a replica of
+            the deployment: it assumes at least ``count`` replicas before Redis says).
+
+    With ``shared_state``, the scheduler's capacity is leased per engine
+    (:mod:`proxy.capacity_leases`) and its rate limits are reserved in Redis
+    (:mod:`proxy.shared_limits`); without it, the process is standalone, as before.
 
     Raises:
         ConfigError: the override does not fit the config, or this build cannot serve it
@@ -63,20 +68,37 @@ class ProxyState:
         config = self._prepare(config)
         self.active = ActiveConfig(config, IdentityResolver(config), digest)
         self.config_path = config_path
-        self.admission = Admission(config.to_policy())
+        # shared with the other replicas through Redis, or standalone; fixed for the
+        # process's lifetime (a changed shared_state section takes effect at restart)
+        self.shared = create_shared_state(config.shared_state, worker[1] if worker else 1)
+        standalone = isinstance(self.shared, StandaloneState)
+        self.admission = Admission(config.to_policy(), shared_limits=None if standalone else SharedRateLimiter(self.shared))
+        self.leases: LeaseBinding | None = None
+        if not standalone:
+            self.admission.on_wait = self.shared.request_sync
+            self.leases = LeaseBinding(self.shared, self._bound_pools)
         self.metrics = Metrics(lambda: self.admission.scheduler, (g.name for g in config.groups))
+        self.metrics.registry.register(SharedStateCollector(self.shared, self._lease_keys))
         self.upstream: Upstream | None = None  # created on startup, inside the loop
         self.last_error: str | None = None
         self.draining = False
         self.open_requests = 0  # client requests being handled now
         self.max_body_bytes = config.limits.max_body_bytes  # fixed for the app's lifetime
-        # shared with the other replicas through Redis, or standalone; fixed for the
-        # process's lifetime (a changed shared_state section takes effect at restart)
-        self.shared = create_shared_state(config.shared_state, worker[1] if worker else 1)
 
     def _prepare(self, config: Config) -> Config:
-        config = _servable(with_upstream_urls(config, self.upstream_override))
-        return split_for_worker(config, self.worker[1], self.worker[0]) if self.worker else config
+        return _servable(with_upstream_urls(config, self.upstream_override))
+
+    def _bound_pools(self) -> list[BoundPool]:
+        """The pools the capacity leases bind (the single-upstream form: one pool, one
+        engine, named as :func:`proxy.pool_config.resolve_pools` names them)."""
+        pool = resolve_pools(self.active.config)[0]
+        engine = LocalEngine(pool.engines[0].name, self.admission.scheduler.capacity_model)
+        return [BoundPool(pool.name, self.admission.scheduler, lambda: (engine,))]
+
+    def _lease_keys(self) -> list[str]:
+        """The capacity keys this process leases (for the metrics: their series exist
+        from start-up, at 0 until granted)."""
+        return [r.key for r in self.leases.report().capacity] if self.leases is not None else []
 
     def apply(self, config: Config, digest: str = "") -> None:
         """Make ``config`` the active one, atomically (one reference swap, no await).
@@ -97,6 +119,8 @@ class ProxyState:
             self.upstream.reconfigure(config.upstream)
         self.active = ActiveConfig(config, identity, digest)
         self.last_error = None
+        if self.leases is not None:
+            self.leases.rebind()  # an engine renamed or re-sized: its lease follows
 
 
 def _servable(config: Config) -> Config:

@@ -12,10 +12,10 @@ with the supervisor, even a SIGKILLed one (``PR_SET_PDEATHSIG``).
 **Without ``shared_state`` it refuses to start**: N independent schedulers would each
 enforce strict priority, fairness and rate limits over their own share of the traffic
 only, which is not what the config promises. With ``shared_state``, the workers are
-replicas of one deployment (``docs/scaling.md``). Until admission consults the capacity
-leases (phase 2 of the shared state), each worker enforces its own part of every capacity
-and limit, :func:`split_for_worker`: the totals hold across workers, priority and
-fairness hold within each worker.
+replicas of one deployment (``docs/scaling.md``): each loads the whole config, the
+engines' capacity is leased per engine through Redis and the rate limits are reserved
+there, so the totals hold across workers; a worker that cannot reach Redis takes its
+local share (capacity and limits ÷ live replicas, at least N).
 """
 
 from __future__ import annotations
@@ -26,60 +26,11 @@ import signal
 import sys
 import time
 
-from .config import Config, ConfigError, load_config
+from .config import ConfigError, load_config
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 READY_MARK = "llm-qos proxy ready on "
-
-
-def _part(total: int, workers: int, index: int) -> int:
-    """Worker ``index``'s part of ``total``: total ÷ workers, the remainder to the first."""
-    base, rest = divmod(total, workers)
-    return base + (1 if index < rest else 0)
-
-
-def split_for_worker(config: Config, workers: int, index: int) -> Config:
-    """``config`` as worker ``index`` of ``workers`` enforces it: ``admission.max_inflight``,
-    ``max_inflight_tokens``, ``max_queue``, every group's ``max_queue`` and every rate limit
-    divided among the workers (integer parts add up to the total exactly).
-
-    Raises:
-        ValueError: ``admission.max_inflight`` (or ``max_inflight_tokens``) is smaller
-            than ``workers``: some worker would get no capacity at all.
-    """
-    if workers <= 1:
-        return config
-    a = config.admission
-    if a.max_inflight < workers or (a.max_inflight_tokens is not None and a.max_inflight_tokens < workers):
-        raise ValueError(f"admission.max_inflight ({a.max_inflight}) must be at least the number of workers ({workers})")
-
-    def limit(rl):
-        return rl.model_copy(
-            update={
-                "requests_per_minute": rl.requests_per_minute / workers if rl.requests_per_minute else None,
-                "tokens_per_minute": rl.tokens_per_minute / workers if rl.tokens_per_minute else None,
-            }
-        )
-
-    admission = a.model_copy(
-        update={
-            "max_inflight": _part(a.max_inflight, workers, index),
-            "max_inflight_tokens": None if a.max_inflight_tokens is None else _part(a.max_inflight_tokens, workers, index),
-            "max_queue": _part(a.max_queue, workers, index),
-        }
-    )
-    groups = [
-        g.model_copy(
-            update={
-                "max_queue": None if g.max_queue is None else _part(g.max_queue, workers, index),
-                "rate_limit": limit(g.rate_limit),
-                "users": [u.model_copy(update={"rate_limit": limit(u.rate_limit)}) for u in g.users],
-            }
-        )
-        for g in config.groups
-    ]
-    return config.model_copy(update={"admission": admission, "groups": groups})
 
 
 def check_workers(config_path: str, port: int, workers: int) -> str | None:
@@ -96,10 +47,6 @@ def check_workers(config_path: str, port: int, workers: int) -> str | None:
         )
     if port == 0:
         return "--workers needs a fixed --port (with port 0 each worker would listen on a different one)"
-    try:
-        split_for_worker(config, workers, 0)
-    except ValueError as e:
-        return str(e)
     return None
 
 

@@ -7,8 +7,10 @@ binds a request to the engine with the most headroom at dispatch, or capacity le
 from a store shared by several proxy processes, is another :class:`Capacity`.
 
 :class:`LocalCapacity` is the one engine, one process case: ``max_inflight`` slots,
-optionally ``max_inflight_tokens`` tokens of reservations, and a lower slot limit while
-an outside signal (the engine's load) asks for one.
+optionally ``max_inflight_tokens`` tokens of reservations, a lower slot limit while
+an outside signal (the engine's load) asks for one, and a *lease*: the part of the
+engine's slots and tokens this process may use when several processes share it
+(granted by a shared store; see :meth:`LocalCapacity.set_lease`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Capacity(Protocol):
 
     @property
     def slots(self) -> int:
-        """Requests allowed in flight now (>= 1)."""
+        """Requests allowed in flight now (>= 1, or >= 0 under a lease)."""
 
     @property
     def inflight(self) -> int:
@@ -76,6 +78,8 @@ class LocalCapacity:
         self.max_inflight = max_inflight
         self.max_inflight_tokens = max_inflight_tokens
         self.limit: int | None = None
+        self.lease_slots: int | None = None
+        self.lease_tokens: int | None = None
         self._inflight = 0
         self._inflight_tokens = 0
 
@@ -95,10 +99,28 @@ class LocalCapacity:
             raise ValueError(f"a capacity limit must be at least 1, got {limit}")
         self.limit = limit
 
+    def set_lease(self, slots: int | None, tokens: int | None = None) -> None:
+        """Cap this process's use of the engine at ``slots`` requests and ``tokens``
+        reserved tokens (``None``: no lease, the engine is this process's alone). Unlike
+        :meth:`set_limit`, a lease may be 0 (another process holds the whole engine) and
+        the token lease has no exception for an idle engine: several processes share the
+        engine, so one process's idle share is not an idle engine. A lease lowered below
+        what is in flight lets the surplus finish. After raising it, call
+        :meth:`qos.Scheduler.dispatch`.
+
+        Raises:
+            ValueError: a negative lease.
+        """
+        if (slots is not None and slots < 0) or (tokens is not None and tokens < 0):
+            raise ValueError(f"a lease cannot be negative, got {slots} slots, {tokens} tokens")
+        self.lease_slots, self.lease_tokens = slots, tokens
+
     @property
     def slots(self) -> int:
-        """``max_inflight``, or the limit from :meth:`set_limit` when lower."""
-        return self.max_inflight if self.limit is None else min(self.limit, self.max_inflight)
+        """``max_inflight``, or the limit from :meth:`set_limit` or the lease from
+        :meth:`set_lease` when lower (0 only by a lease)."""
+        n = self.max_inflight if self.limit is None else min(self.limit, self.max_inflight)
+        return n if self.lease_slots is None else min(n, self.lease_slots)
 
     @property
     def inflight(self) -> int:
@@ -114,6 +136,9 @@ class LocalCapacity:
 
     def fits(self, tokens: int) -> bool:
         if self._inflight >= self.slots:
+            return False
+        lease = self.lease_tokens
+        if lease is not None and self._inflight_tokens + tokens > lease:
             return False
         cap = self.max_inflight_tokens
         return cap is None or self._inflight_tokens + tokens <= cap

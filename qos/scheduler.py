@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 from .capacity import Capacity, LocalCapacity
 from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
-from .policy import MAX_CHOICES, SchedulerPolicy, UserPolicy, clamp_count
+from .policy import MAX_CHOICES, GroupPolicy, SchedulerPolicy, UserPolicy, clamp_count
 from .rate_limit import RateLimiter
 from .usage_model import UsageModel
 from .ticket import RefusalReason, Refused, Ticket, TicketState
@@ -54,6 +54,7 @@ from .ticket import RefusalReason, Refused, Ticket, TicketState
 Clock = Callable[[], float]
 ACTIVE_SERVICE = 1e-3  # recent service (token units) below which an idle user counts as inactive
 TicketCallback = Callable[[Ticket], None]
+ServiceCallback = Callable[[str, float], None]
 
 
 def _noop(_t: Ticket) -> None:
@@ -80,6 +81,12 @@ class Scheduler:
             :class:`LocalCapacity` following the policy's ``max_inflight`` and
             ``max_inflight_tokens``. Its :meth:`~qos.capacity.Capacity.configure` is
             called with every policy.
+        on_service: called with ``(user_id, cost)`` each time a user's confirmed
+            counter is charged for service rendered here (token units, before division
+            by the weight; the same amount the counter is charged, so its sum per user
+            is the service this scheduler rendered). For sharing service with other
+            schedulers (:meth:`charge_remote` is the other end). Also settable later as
+            the attribute ``on_service``.
     """
 
     def __init__(
@@ -91,8 +98,10 @@ class Scheduler:
         *,
         rate_limiter: RateLimiter | None = None,
         capacity: Capacity | None = None,
+        on_service: ServiceCallback | None = None,
     ) -> None:
         self.policy = policy
+        self.on_service = on_service
         self._clock = clock
         self._on_admit = on_admit
         self._on_refuse = on_refuse
@@ -487,6 +496,8 @@ class Scheduler:
         ticket.confirmed += confirmed
         acct = self._accounts[ticket.user_id]
         self._queues[acct.group].charge(acct, confirmed, delta, delta if ticket.speculative else 0.0)
+        if self.on_service is not None:
+            self.on_service(ticket.user_id, confirmed)
         total = cost.cost(ticket.prompt_tokens, out)
         if total > ticket.share_charged:
             self._shares.add(ticket.group, total - ticket.share_charged)
@@ -520,6 +531,8 @@ class Scheduler:
         acct = self._accounts[ticket.user_id]
         acct.inflight -= 1
         self._queues[acct.group].charge(acct, confirmed, pending, pending if ticket.speculative else 0.0)
+        if confirmed and self.on_service is not None:
+            self.on_service(ticket.user_id, confirmed)
         window = self.policy.share_window_s
         acct.recent = acct.recent * math.exp(-max(0.0, now - acct.recent_at) / window) + actual
         acct.recent_at = now
@@ -573,6 +586,63 @@ class Scheduler:
                 self._refuse_queued(t, Refused(RefusalReason.SHUTDOWN, 1.0, "the server is shutting down"))
                 out.append(t)
         return out
+
+    # ------------------------------------------------------ several schedulers
+
+    def charge_remote(self, user_id: str, cost: float) -> bool:
+        """Charge ``user_id``'s fair-share counter with ``cost`` token units of service
+        rendered *elsewhere* (by another scheduler sharing its users: another replica of
+        the deployment), exactly as local confirmed service is charged: ``cost / weight``
+        added to its counter, which is relative to its class's virtual time (so the
+        charge keeps its meaning whatever that class's rebases). The virtual time does
+        not move (it is where the users served *here* stand), and the user's recent
+        service (a status figure of this scheduler) does not change.
+
+        Returns False, changing nothing, for a user not tracked here (an idle user's
+        counter is lifted to the virtual time when it returns anyway), a weight-0 user,
+        or a ``cost`` that is not a positive finite number.
+        """
+        acct = self._accounts.get(user_id)
+        if acct is None or acct.weight <= 0 or not (0.0 < cost < math.inf):
+            return False
+        self._queues[acct.group].charge(acct, cost, 0.0)
+        return True
+
+    def rate_request(
+        self, user_id: str, group: str | None, prompt_tokens: int, max_output_tokens: int | None, *, choices: int = 1, output_ceiling: int | None = None
+    ) -> tuple[UserPolicy, GroupPolicy, int]:
+        """What :meth:`submit` would charge to the rate limits for this request, without
+        submitting it: the user's policy, its class's policy, and the tokens reserved
+        (prompt + reserved output, as :attr:`Ticket.reserved_tokens`). For a caller that
+        reserves the limits elsewhere (a store shared by several processes) before
+        submitting. Same arguments as :meth:`submit`; changes nothing."""
+        policy = self.policy
+        up = policy.user(user_id, group)
+        gpol = policy.groups[policy.group_index(up.group)]
+        choices = max(1, min(int(choices), MAX_CHOICES))
+        reserved = clamp_count(prompt_tokens) + policy.cost.reserve_output(max_output_tokens, choices, output_ceiling)
+        return up, gpol, reserved
+
+    def class_loads(self) -> list[tuple[str, int, int, float]]:
+        """Per class in priority order (highest first): ``(name, requests waiting,
+        their reserved tokens, summed weight of the users with requests waiting)``.
+        O(queued). For a capacity shared by several schedulers, which splits it by
+        the demand each reports."""
+        out = []
+        for q in self._order:
+            tickets = q.tickets()
+            users = {t.user_id for t in tickets}
+            weight = 0.0
+            for uid in users:
+                acct = self._accounts.get(uid)
+                if acct is not None:
+                    weight += acct.weight
+            out.append((q.name, len(tickets), sum(t.reserved_tokens for t in tickets), weight))
+        return out
+
+    def waiting_users(self) -> set[str]:
+        """The users with requests waiting now. O(queued)."""
+        return {t.user_id for q in self._order for t in q.tickets()}
 
     # ------------------------------------------------------------- inspection
 

@@ -74,8 +74,8 @@ async def test_two_workers_share_one_port_reload_together_and_survive_a_kill(aio
 
         seen = await _distinct_workers(url)
         assert len(seen) == 2, "both workers answer on the one port"
-        # until admission uses the leases, each worker enforces its part of the capacity
-        assert sorted(b["config"]["admission"]["max_inflight"] for b in seen.values()) == [2, 3]
+        # each worker loads the whole config: the capacity is leased through Redis, not split
+        assert [b["config"]["admission"]["max_inflight"] for b in seen.values()] == [5, 5]
 
         async with aiohttp.ClientSession() as s:
             for _ in range(6):
@@ -84,6 +84,16 @@ async def test_two_workers_share_one_port_reload_together_and_survive_a_kill(aio
 
         client = redis.Redis.from_url(redis_server.url, decode_responses=True)
         assert client.zcard(Keys("workers").replicas) == 2  # each worker is a replica
+        statuses: dict[str, dict] = {}
+        for _ in range(60):  # both workers' grants on the one engine add up to at most its capacity
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.get(f"{url}/admin/status", headers=ADMIN) as r:
+                    shared = (await r.json())["shared_state"]
+            statuses[shared["replica_id"]] = shared
+        assert len(statuses) == 2 and all(st["mode"] == "shared" for st in statuses.values())
+        keys = {k for st in statuses.values() for k in st["grants"]}
+        assert keys == {f"default/{str(up.make_url('')).rstrip('/')}:slots"}
+        assert sum(g for st in statuses.values() for g in st["grants"].values()) <= 5
 
         # SIGHUP to the supervisor reloads every worker (no file watcher here)
         cfg["groups"][0]["users"][1]["weight"] = 7

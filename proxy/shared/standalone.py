@@ -36,6 +36,9 @@ class StandaloneState:
     def set_on_change(self, callback: Callable[[], None]) -> None:
         """Accepted and unused (grants never change)."""
 
+    def set_on_sync(self, callback: Callable[[], None]) -> None:
+        """Accepted and unused (there are no syncs)."""
+
     def request_sync(self) -> None:
         """Nothing to sync."""
 

@@ -139,6 +139,7 @@ class SharedState:
         self._last_ok_send: float | None = None
         self._reporter: Callable[[], SyncReport] = SyncReport
         self._on_change: Callable[[], None] = lambda: None
+        self._on_sync: Callable[[], None] = lambda: None
         self._redis: Redis | None = None
         self._reserve_redis: Redis | None = None
         self._scripts: dict = {}
@@ -160,6 +161,12 @@ class SharedState:
         """Install the function called (synchronously) whenever grants change, so the
         scheduler can dispatch what a larger grant now allows."""
         self._on_change = callback
+
+    def set_on_sync(self, callback: Callable[[], None]) -> None:
+        """Install the function called (synchronously) after every successful sync, once
+        its replies are applied: the moment new remote service is available
+        (:meth:`take_remote_service`)."""
+        self._on_sync = callback
 
     def request_sync(self) -> None:
         """Sync soon (at most four times per interval), e.g. when work starts waiting
@@ -294,6 +301,7 @@ class SharedState:
             self.request_sync()  # confirm the lower grant now: Redis frees the rest at once
         if changed:
             self._on_change()
+        self._on_sync()
         return True
 
     async def _call_sync(self, mode, lease_keys, lease_body, pairs, svc_seq, incs, adj) -> list:
@@ -457,6 +465,10 @@ class SharedState:
         """Service other replicas rendered since the last call, per (pool, user)."""
         return self.counters.take_remote()
 
+    def last_sync_age_s(self) -> float | None:
+        """Seconds since the last successful sync was sent (None: never synced)."""
+        return None if self._last_ok_send is None else round(self._clock() - self._last_ok_send, 3)
+
     def status(self) -> dict:
         """A summary for ``/admin/status`` and logs."""
         return {
@@ -468,6 +480,7 @@ class SharedState:
             "syncs": self.syncs,
             "sync_failures": self.sync_failures,
             "last_sync_rtt_ms": round(self.last_sync_rtt_s * 1000, 3),
+            "last_sync_age_s": self.last_sync_age_s(),
             "pending_rate_corrections": len(self.adjustments),
             "pending_service": len(self.counters),
         }
