@@ -13,7 +13,7 @@ vLLM refuses it.
 
 ``GET /stats`` returns counters: streams/requests started, completed, aborted (the client
 closed the connection before the end), refused (400 for max_tokens), tokens sent, and how
-many are active now.
+many are active now and the most active at once (``max_active``).
 ``POST /stats/reset`` zeroes them. ``GET /v1/models`` lists one model.
 
 Run standalone: ``python -m bench.fake_upstream --port 9000 --itl-s 0.01``.
@@ -41,6 +41,7 @@ class Stats:
     aborted: int = 0
     tokens_sent: int = 0
     active: int = 0
+    max_active: int = 0  # the most active at once since start (or the last reset)
     refused: int = 0
     tags: list = field(default_factory=list)  # body "fake.tag" of each request, in start order
     authorization: list = field(default_factory=list)  # Authorization header of each request
@@ -93,6 +94,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     stats.started += 1
     stats.active += 1
+    stats.max_active = max(stats.max_active, stats.active)
     stats.tags.append(fake.get("tag"))
     stats.authorization.append(request.headers.get("Authorization"))
     try:
@@ -174,6 +176,7 @@ async def stats(request: web.Request) -> web.Response:
 async def reset(request: web.Request) -> web.Response:
     s = request.app[STATS]
     s.started = s.completed = s.aborted = s.tokens_sent = s.refused = 0
+    s.max_active = s.active
     s.tags.clear()
     s.authorization.clear()
     return web.json_response(asdict(s))

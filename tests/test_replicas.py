@@ -1,0 +1,237 @@
+"""Three real proxy processes sharing one real Redis, in front of one fake engine that
+counts the requests it runs at once: the guarantees of ``docs/scaling.md`` across
+replicas (capacity, priority, fairness, exact rate limits) and the faults (a replica
+SIGKILLed; Redis stopped and restarted under load)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from bench.fake_upstream import STATS, make_app
+from tests.replica_stack import Replicas, post, replica_config, status, wait_all
+from tests.shared_helpers import settled
+
+GROUPS = [
+    {"name": "platinum", "users": [{"id": "alice", "weight": 1}]},
+    {"name": "gold", "users": [{"id": "heavy", "weight": 3}, {"id": "light", "weight": 1}]},
+    {"name": "bronze", "users": [{"id": "carl", "weight": 1}]},
+]
+CAPACITY = 6
+
+
+async def _engine(aiohttp_server, itl_s: float = 0.01):
+    server = await aiohttp_server(make_app(0.0, itl_s))
+    return str(server.make_url("")).rstrip("/"), server.app[STATS]
+
+
+def _start(engine_url: str, redis_url: str | None, prefix: str, n: int = 3, groups=GROUPS, **admission) -> Replicas:
+    if redis_url is not None:
+        settled(redis_url, prefix)  # a running deployment: no cold-start rebuild window
+    cfg = replica_config(engine_url, redis_url, prefix, groups, max_inflight=CAPACITY, **admission)
+    return Replicas().start([cfg] * n)
+
+
+async def _closed_loop(session, urls, user: str, tag: str, count: int, rng: random.Random, results: list, n: int = 8, **fake) -> None:
+    """``count`` requests one after the other, each to a replica chosen at random."""
+    for _ in range(count):
+        status_, body, headers = await post(session, rng.choice(urls), user, tag, n, **fake)
+        results.append((user, status_, body, headers))
+
+
+async def test_capacity_holds_across_replicas_and_one_replica_can_use_all_of_it(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server, itl_s=0.02)
+    reps = _start(engine, redis_server.url, "cap")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            # many clients on every replica at once: the engine never runs more than its capacity
+            rng = random.Random(1)
+            results: list = []
+            await asyncio.gather(*(_closed_loop(s, reps.urls, "carl", "b", 6, rng, results) for _ in range(24)))
+            assert [r[1] for r in results] == [200] * 144
+            assert stats.max_active <= CAPACITY
+            # the whole capacity goes to the one replica with demand (a per-replica split could not)
+            stats.max_active = stats.active
+            results.clear()
+            await asyncio.gather(*(_closed_loop(s, reps.urls[:1], "carl", "b", 4, rng, results, n=16) for _ in range(12)))
+            assert [r[1] for r in results] == [200] * 48
+            assert stats.max_active == CAPACITY
+            assert stats.started == 144 + 48  # nothing dispatched twice
+    finally:
+        assert reps.stop() == [0, 0, 0]
+
+
+async def test_a_sigkilled_replica_returns_its_capacity_within_the_lease(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server)
+    reps = _start(engine, redis_server.url, "kill")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            # replica 2 holds the whole engine with requests that never end on their own
+            hold = [asyncio.ensure_future(post(s, reps.urls[2], "carl", "b", 4, ttft_s=600)) for _ in range(CAPACITY)]
+            await _until(lambda: stats.active == CAPACITY, 15, "replica 2 to fill the engine")
+            # replica 0 has work waiting: it gets nothing while replica 2 lives
+            waiting = [asyncio.ensure_future(post(s, reps.urls[0], "carl", "b", 4)) for _ in range(CAPACITY)]
+            await asyncio.sleep(0.5)
+            assert not any(w.done() for w in waiting) and stats.active == CAPACITY
+            loop = asyncio.get_running_loop()
+            killed_at = loop.time()
+            reps.kill(2)  # its connections to the engine close with it: the engine is free now
+            results = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+            took = loop.time() - killed_at
+            assert [r[0] for r in results] == [200] * CAPACITY
+            # the lease is 1 s: replica 0's grant grows once replica 2's lease has lapsed
+            assert took < 1.0 + 4.0, f"capacity came back after {took:.2f} s"
+            assert stats.max_active <= CAPACITY
+            for h in hold:
+                h.cancel()
+            await asyncio.gather(*hold, return_exceptions=True)
+            live = await wait_all(s, reps.urls[:2], lambda st: st["live_replicas"] == 2, 10, "the dead replica to leave")
+            assert all(st["mode"] == "shared" for st in live)
+    finally:
+        reps.stop()
+
+
+async def _until(pred, timeout_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not pred():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_platinum_waiting_on_one_replica_goes_before_bronze_waiting_on_the_others(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server, itl_s=0.02)
+    reps = _start(engine, redis_server.url, "prio")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            rng = random.Random(2)
+            bronze: list = []
+            # replicas 1 and 2 are kept busy with bronze, more than the engine holds
+            load = [asyncio.ensure_future(_closed_loop(s, reps.urls[1:], "carl", "b", 12, rng, bronze)) for _ in range(12)]
+            await _until(lambda: stats.active == CAPACITY and stats.started > 2 * CAPACITY, 20, "bronze to fill the engine")
+            # platinum arrives on replica 0 (which serves nothing else)
+            platinum = await asyncio.gather(*(post(s, reps.urls[0], "alice", "p", 8) for _ in range(2 * CAPACITY)))
+            assert [p[0] for p in platinum] == [200] * (2 * CAPACITY)
+            await asyncio.gather(*load)
+            assert [b[1] for b in bronze] == [200] * 144
+            tags = stats.tags
+            first, last = tags.index("p"), len(tags) - 1 - tags[::-1].index("p")
+            between = tags[first:last].count("b")
+            # bronze started while platinum waited: at most what the bronze replicas had
+            # granted before their next sync (one interval), never a steady share
+            assert between <= 2, f"{between} bronze requests started among the platinum ones: {tags[first:last + 1]}"
+            assert stats.max_active <= CAPACITY
+    finally:
+        reps.stop()
+
+
+async def test_weighted_shares_hold_across_replicas(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server, itl_s=0.01)
+    reps = _start(engine, redis_server.url, "fair")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            rng = random.Random(3)
+            results: list = []
+            # both users keep requests waiting on every replica (spread at random); heavy
+            # weighs 3, light 1; the engine is the bottleneck
+            clients = [_closed_loop(s, reps.urls, user, user, 25, rng, results) for user in ("heavy", "light") for _ in range(9)]
+            await asyncio.gather(*clients)
+            assert all(r[1] == 200 for r in results)
+            # the engine's start order: shares while both users are backlogged, i.e. until
+            # the first one's clients run out of requests
+            tags = stats.tags
+            end = min(len(tags) - 1 - tags[::-1].index(u) for u in ("heavy", "light"))
+            window = tags[CAPACITY * 2 : end]  # after the first requests of every replica
+            share = window.count("heavy") / len(window)
+            assert len(window) > 100
+            assert abs(share - 0.75) <= 0.05, f"heavy got {share:.3f} of {len(window)} requests (weight share 0.75)"
+    finally:
+        reps.stop()
+
+
+async def test_requests_per_minute_holds_across_replicas(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server)
+    groups = [{"name": "bronze", "users": [{"id": "carl", "weight": 1, "rate_limit": {"requests_per_minute": 10}}]}]
+    reps = _start(engine, redis_server.url, "rpm", groups=groups)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            rng = random.Random(4)
+            out = await asyncio.gather(*(post(s, rng.choice(reps.urls), "carl", "b", 4) for _ in range(60)))
+            ok = [o for o in out if o[0] == 200]
+            refused = [o for o in out if o[0] != 200]
+            # 10 per minute with a minute of burst: 10 in this short run, 11 if a token refilled
+            assert 10 <= len(ok) <= 11, f"{len(ok)} served"
+            assert all(o[0] == 429 for o in refused)
+            for _, body, headers in refused:
+                err = body["error"]
+                assert err["code"] == "rate_limited" and err["scope"] == "user" and err["limit"] == "requests_per_minute"
+                assert int(headers["Retry-After"]) >= 1
+            assert stats.started == len(ok)
+    finally:
+        reps.stop()
+
+
+async def test_redis_stopped_and_restarted_under_load(aiohttp_server, redis_server):
+    engine, stats = await _engine(aiohttp_server, itl_s=0.01)
+    reps = _start(engine, redis_server.url, "outage")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            rng = random.Random(5)
+            results: list = []
+            stop = asyncio.Event()
+
+            async def client(user: str) -> None:
+                while not stop.is_set():
+                    status_, body, headers = await post(s, rng.choice(reps.urls), user, user, 8)
+                    results.append((user, status_))
+
+            clients = [asyncio.ensure_future(client(u)) for u in ("heavy", "light", "carl") for _ in range(6)]
+            await _until(lambda: len(results) > 50, 20, "load to run")
+            redis_server.stop()
+            down = await wait_all(s, reps.urls, lambda st: st["mode"] == "fallback", 10, "every replica to fall back")
+            assert all(st["grants"] and sum(st["grants"].values()) == 2 for st in down)  # capacity ÷ 3 replicas
+            during = len(results)
+            await _until(lambda: len(results) > during + 50, 20, "load to run on the fallback shares")
+            redis_server.start()  # empty, on the same port
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared" and not st["rebuilding"], 20, "every replica to resync")
+            after = len(results)
+            await _until(lambda: len(results) > after + 50, 20, "load to run after the resync")
+            stop.set()
+            await asyncio.gather(*clients)
+            codes = {code for _, code in results}
+            assert codes == {200}, f"statuses seen: {sorted(codes)}"
+            assert stats.max_active <= CAPACITY
+            assert stats.started == len(results)  # nothing dispatched twice, nothing lost
+    finally:
+        reps.stop()
+
+
+@pytest.mark.parametrize("shared", [True])
+async def test_metrics_show_the_shared_state_from_start_up(aiohttp_server, redis_server, shared):
+    engine, _ = await _engine(aiohttp_server)
+    reps = _start(engine, redis_server.url, "metrics", n=1)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "the replica in sync")
+            async with s.get(f"{reps.urls[0]}/metrics") as r:
+                text = await r.text()
+            assert 'llm_qos_shared_state_mode{mode="shared"} 1.0' in text
+            assert 'llm_qos_shared_state_mode{mode="fallback"} 0.0' in text
+            assert "llm_qos_shared_state_connected 1.0" in text
+            assert "llm_qos_shared_state_fallback 0.0" in text
+            assert f'llm_qos_shared_state_grant{{key="default/{engine}:slots"}} {float(CAPACITY)}' in text
+            assert "llm_qos_shared_state_last_sync_age_seconds" in text
+            st = (await status(s, reps.urls[0]))["shared_state"]
+            assert st["grants"] == {f"default/{engine}:slots": CAPACITY} and st["live_replicas"] == 1
+            assert st["last_sync_age_s"] is not None and st["last_sync_age_s"] < 5
+    finally:
+        reps.stop()
