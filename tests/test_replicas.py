@@ -141,7 +141,7 @@ async def test_weighted_shares_hold_across_replicas(aiohttp_server, redis_server
             results: list = []
             # both users keep requests waiting on every replica (spread at random); heavy
             # weighs 3, light 1; the engine is the bottleneck
-            clients = [_closed_loop(s, reps.urls, user, user, 25, rng, results) for user in ("heavy", "light") for _ in range(9)]
+            clients = [_closed_loop(s, reps.urls, user, user, 10, rng, results) for user in ("heavy", "light") for _ in range(24)]
             await asyncio.gather(*clients)
             assert all(r[1] == 200 for r in results)
             # the engine's start order: shares while both users are backlogged, i.e. until
