@@ -235,3 +235,34 @@ async def test_metrics_show_the_shared_state_from_start_up(aiohttp_server, redis
             assert st["last_sync_age_s"] is not None and st["last_sync_age_s"] < 5
     finally:
         reps.stop()
+
+
+async def test_a_take_is_refunded_when_the_request_never_reaches_the_engine(aiohttp_server, redis_server):
+    """Requests that time out or are cancelled while queued give their take back in Redis."""
+    engine, stats = await _engine(aiohttp_server)
+    groups = [{"name": "bronze", "users": [{"id": "carl", "weight": 1, "rate_limit": {"requests_per_minute": 4}}, {"id": "dave", "weight": 1}]}]
+    reps = _start(engine, redis_server.url, "refund", n=2, groups=groups, queue_timeout_s=1)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            # dave (no limit) holds the whole engine
+            hold = [asyncio.ensure_future(post(s, reps.urls[i % 2], "dave", "d", 4, ttft_s=600)) for i in range(CAPACITY)]
+            await _until(lambda: stats.active == CAPACITY, 15, "dave to fill the engine")
+            # carl's 4 requests queue: two time out, two are cancelled by their clients
+            timed_out = await asyncio.gather(*(post(s, reps.urls[i], "carl", "c", 4) for i in range(2)))
+            assert [t[0] for t in timed_out] == [429, 429] and all(t[1]["error"]["code"] == "queue_timeout" for t in timed_out)
+            gone = [asyncio.ensure_future(post(s, reps.urls[i], "carl", "c", 4)) for i in range(2)]
+            await asyncio.sleep(0.3)
+            for g in gone:
+                g.cancel()
+            await asyncio.gather(*gone, return_exceptions=True)
+            for h in hold:
+                h.cancel()
+            await asyncio.gather(*hold, return_exceptions=True)
+            await _until(lambda: stats.active == 0, 15, "the engine to be free")
+            await asyncio.sleep(0.3)  # refunds travel with the next sync
+            # none of the four reached the engine: carl still has his 4 requests this minute
+            out = await asyncio.gather(*(post(s, reps.urls[i % 2], "carl", "c", 4) for i in range(5)))
+            assert sorted(o[0] for o in out) == [200, 200, 200, 200, 429]
+    finally:
+        reps.stop()
