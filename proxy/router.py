@@ -91,6 +91,7 @@ class EngineState:
         load_signal: the poller's state for it, as the dashboard shows it (``off``,
             ``waiting``, ``ok``, ``stale``, ``no_signal``).
         routed: requests placed on it since start (a metric).
+        client: its connections (a :class:`proxy.upstream.Upstream`), set by the proxy.
     """
 
     spec: EngineSpec
@@ -104,6 +105,7 @@ class EngineState:
     capacity_limit: int | None = None
     load_signal: str = "off"
     routed: int = 0
+    client: Any = field(default=None, repr=False)
     _wrr: float = field(default=0.0, repr=False)
 
     @property
@@ -113,6 +115,11 @@ class EngineState:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def kind(self) -> str:
+        """``openai`` or ``lightllm``."""
+        return self.spec.kind
 
     @property
     def capacity(self) -> int:
@@ -333,7 +340,9 @@ class PoolRouter:
 
     # ---------------------------------------------------------------- choice
 
-    def choose(self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True) -> EngineState | None:
+    def choose(
+        self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True, over: bool = False
+    ) -> EngineState | None:
         """The engine for a request reserving ``tokens``, or ``None`` when none fits.
 
         Args:
@@ -341,8 +350,14 @@ class PoolRouter:
             key: affinity key (:func:`affinity_key`), or ``None``.
             exclude: engines not to choose (already tried for this request).
             commit: advance the policy's rotation (False for a mere "is there one?").
+            over: when no engine fits, take the engine in rotation with the most headroom
+                even if it is full (a request already dispatched whose engine failed
+                before it was sent: :meth:`reroute`).
         """
         cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens)]
+        if not cands and over:
+            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation]
+            return max(rest, key=lambda e: e.headroom(tokens), default=None)
         if not cands:
             return None
         if self.routing.policy == "round_robin":
@@ -429,16 +444,19 @@ class PoolRouter:
         placed = self._placed.get(ticket)
         return placed[0] if placed is not None else None
 
-    def reroute(self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None) -> EngineState | None:
+    def reroute(
+        self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None, over: bool = False
+    ) -> EngineState | None:
         """Move ``ticket`` to another engine (its request never reached the one it was
         on): frees its place, then places it on the engine :meth:`choose` picks among
-        those not in ``exclude`` and not the one it leaves. Returns the new engine, or
-        ``None`` (then it is placed nowhere and the caller answers the client)."""
+        those not in ``exclude`` and not the one it leaves (``over``: see :meth:`choose`).
+        Returns the new engine, or ``None`` (then it is placed nowhere and the caller
+        answers the client)."""
         old = self.release(ticket)
         skip = set(exclude)
         if old is not None:
             skip.add(old)
-        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip)
+        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip, over=over)
         if engine is not None:
             self._place(ticket, engine)
         return engine
@@ -483,3 +501,80 @@ class PoolRouter:
     def snapshot(self) -> list[dict]:
         """Every engine's :meth:`EngineState.status`, config order."""
         return [e.status() for e in self.engines.values()]
+
+
+class PoolCapacity:
+    """A pool's engines as the scheduler's :class:`qos.capacity.Capacity`: the seam
+    between one pool's :class:`qos.Scheduler` and its :class:`PoolRouter`.
+
+    ``fits(tokens)``: some engine in rotation has room (:meth:`PoolRouter.choose`);
+    ``reserve(ticket)``: place it on the chosen engine and set ``ticket.placement`` to
+    that :class:`EngineState` (bind late); ``release(ticket)``: free its place.
+    ``slots``: the requests the engines may run now, together (an engine out of rotation
+    counts only what still runs there), so the scheduler's "is there room at all?" test
+    stays exact. ``admissible(tokens)``: some engine of the pool (draining ones aside)
+    could ever take a request that large (its ``max_inflight_tokens``; one request always
+    fits an idle engine, as before pools, so only a token cap refuses).
+
+    Args:
+        router: the pool's router.
+        affinity_of: the affinity key of a ticket being placed, or ``None``.
+    """
+
+    def __init__(self, router: PoolRouter, affinity_of: Callable[[Any], str | None] | None = None) -> None:
+        self.router = router
+        if affinity_of is not None:
+            router.affinity_of = affinity_of
+
+    def configure(self, policy: Any) -> None:
+        """Nothing: a pool's limits are its engines' (``pools[].engines[]``, or
+        ``admission.max_inflight`` / ``max_inflight_tokens`` for the single upstream),
+        applied by :meth:`PoolRouter.reconfigure`."""
+
+    @property
+    def max_inflight_tokens(self) -> int | None:
+        """The largest engine token cap (``None`` when some engine has none): what the
+        scheduler names when it refuses a request as too large."""
+        caps = [e.spec.max_inflight_tokens for e in self.router.engines.values() if not e.draining]
+        return None if not caps or None in caps else max(caps)
+
+    @property
+    def slots(self) -> int:
+        return sum(e.capacity if e.in_rotation else e.inflight for e in self.router.engines.values())
+
+    @property
+    def inflight(self) -> int:
+        return self.router.inflight
+
+    @property
+    def inflight_tokens(self) -> int:
+        return sum(e.inflight_tokens for e in self.router.engines.values())
+
+    def set_limit(self, limit: int | None) -> None:
+        """Set every engine's load-signal capacity limit (``None`` lifts it); the load
+        signal sets each engine's own limit through :meth:`EngineState.set_load`.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
+        for e in self.router.engines.values():
+            e.capacity_limit = limit
+
+    def admissible(self, tokens: int) -> bool:
+        engines = [e for e in self.router.engines.values() if not e.draining]
+        return not engines or any(e.spec.max_inflight_tokens is None or tokens <= e.spec.max_inflight_tokens for e in engines)
+
+    def fits(self, tokens: int) -> bool:
+        return self.router.choose(tokens, commit=False) is not None
+
+    def reserve(self, ticket: Any) -> bool:
+        try:
+            ticket.placement = self.router.reserve(ticket)
+        except NoEngineFits:
+            return False
+        return True
+
+    def release(self, ticket: Any) -> None:
+        self.router.release(ticket)

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 from .admission import Admission
 from .config import Config, ConfigError, with_upstream_urls
+from .engine_health import HealthChecker
 from .identity import IdentityResolver
 from .metrics import Metrics
+from .model_routing import ModelTable
 from .pool_config import unserved
+from .router import EngineState
 from .shared import create_shared_state
 from .upstream import Upstream
 from .workers import split_for_worker
+
+log = logging.getLogger("llm_qos.proxy")
 
 
 @dataclass(slots=True)
@@ -25,11 +32,13 @@ class ActiveConfig:
         identity: resolver built from it.
         digest: short SHA-256 of the file's bytes ("" when not from a file).
         loaded_at: wall-clock time (Unix seconds) it became active.
+        models: its model table (which pool serves which ``model``).
     """
 
     config: Config
     identity: IdentityResolver
     digest: str = ""
+    models: ModelTable = None  # type: ignore[assignment]
     loaded_at: float = field(default_factory=time.time)
 
 
@@ -61,11 +70,15 @@ class ProxyState:
         self.upstream_override = upstream_override
         self.worker = worker
         config = self._prepare(config)
-        self.active = ActiveConfig(config, IdentityResolver(config), digest)
+        pools = config.effective_pools()
+        self.active = ActiveConfig(config, IdentityResolver(config), digest, models=ModelTable(pools))
         self.config_path = config_path
-        self.admission = Admission(config.to_policy())
+        self.admission = Admission(config.to_policy(), pools)
+        self.admission.on_engine_removed = self._engine_removed
         self.metrics = Metrics(lambda: self.admission.scheduler, (g.name for g in config.groups))
-        self.upstream: Upstream | None = None  # created on startup, inside the loop
+        self.health: HealthChecker | None = None  # created on startup, inside the loop
+        self.started = False
+        self._closing: set[asyncio.Task] = set()
         self.last_error: str | None = None
         self.draining = False
         self.open_requests = 0  # client requests being handled now
@@ -91,17 +104,74 @@ class ProxyState:
         config = self._prepare(config)
         policy = config.to_policy()
         identity = IdentityResolver(config)
-        self.admission.update_policy(policy)
+        pools = config.effective_pools()
+        models = ModelTable(pools)
+        self.admission.reconfigure(policy, pools)
         self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
-        if self.upstream is not None:
-            self.upstream.reconfigure(config.upstream)
-        self.active = ActiveConfig(config, identity, digest)
+        self.sync_engines()
+        self.active = ActiveConfig(config, identity, digest, models=models)
         self.last_error = None
+
+    # ---------------------------------------------------------------- engines
+
+    @property
+    def upstream(self) -> Upstream | None:
+        """The first engine's connections (the only engine of the single-``upstream``
+        form), or ``None`` before startup."""
+        for e in self.admission.default.router.engines.values():
+            return e.client
+        return None
+
+    def start(self) -> None:
+        """Open every engine's connections and start the health checks (inside the
+        running loop, at startup)."""
+        self.health = HealthChecker(on_checked=self.admission.engine_checked)
+        self.started = True
+        self.sync_engines()
+
+    def sync_engines(self) -> None:
+        """Give every engine its :class:`proxy.upstream.Upstream` (new ones a fresh pool
+        of connections, kept ones their new settings) and watch the health of the
+        engines of pools that track it (:attr:`proxy.admission.Pool.tracks_health`)."""
+        if not self.started:
+            return
+        watched = []
+        for pool, e in self.admission.engines():
+            if e.client is None:
+                e.client = Upstream(e.spec.upstream)
+            elif e.client.config is not e.spec.upstream:
+                e.client.reconfigure(e.spec.upstream)
+            if pool.tracks_health and not e.draining:
+                watched.append(e)
+        if self.health is not None:
+            self.health.sync(watched)
+
+    def _engine_removed(self, engine: EngineState) -> None:
+        """An engine left its pool (drained): stop checking it, close its connections."""
+        if self.health is not None:
+            self.health.unwatch(engine)
+        client, engine.client = engine.client, None
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        log.info("engine %s (%s) left pool %s", engine.name, engine.url, engine.spec.pool)
+
+    async def close(self) -> None:
+        """Stop the health checks and close every engine's connections (at cleanup)."""
+        if self.health is not None:
+            await self.health.close()
+        for _pool, e in list(self.admission.engines()):
+            if e.client is not None:
+                await e.client.close()
+                e.client = None
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def _servable(config: Config) -> Config:
-    """``config``, or ConfigError when this build cannot serve it (pools, until the
-    second phase of issue #12 wires them in)."""
+    """``config``, or ConfigError when this build cannot serve it
+    (:func:`proxy.pool_config.unserved`)."""
     reason = unserved(config)
     if reason is not None:
         raise ConfigError(reason)
