@@ -64,7 +64,10 @@ async def status(request: web.Request) -> web.Response:
     """``GET /admin/status[?top=N]``: queues, in-flight requests, per-class virtual
     time, and the ``N`` users with the most recent service (default 20, at most 1000)
     with the count of all users tracked; never every user (their number is bounded
-    only by ``admission.max_users``)."""
+    only by ``admission.max_users``). Summed over the pools, with ``pools`` (each pool's
+    queue and in flight) and ``engines`` (each engine's health state, in flight, tokens
+    in flight, load, routed requests, ejections: :meth:`proxy.router.EngineState.status`);
+    see :meth:`proxy.admission.Admission.snapshot`."""
     if (denied := check_admin(request)) is not None:
         return denied
     raw = request.query.get("top", "")
@@ -73,7 +76,7 @@ async def status(request: web.Request) -> web.Response:
         if not raw.isdigit():
             return error_response(400, "'top' must be a whole number", code="invalid_request", param="top")
         top = min(int(raw[:6]), STATUS_MAX_TOP_USERS)
-    return web.json_response(request.app[STATE].admission.scheduler.snapshot(top_users=top))
+    return web.json_response(request.app[STATE].admission.snapshot(top_users=top))
 
 
 async def config(request: web.Request) -> web.Response:

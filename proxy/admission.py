@@ -46,8 +46,9 @@ from .pool_config import PoolSpec
 from .router import EngineState, PoolCapacity, PoolRouter
 
 
-class NoEngine(Exception):
-    """No engine of the pool is in rotation (all ejected or draining): answer 503 at once.
+class NoEngine(Refused):
+    """No engine of the pool is in rotation (all ejected or draining): answer 503 at once
+    (reason :attr:`qos.RefusalReason.NO_ENGINE`, ``no_healthy_engine``).
 
     Attributes:
         pool: the pool's name.
@@ -55,9 +56,8 @@ class NoEngine(Exception):
     """
 
     def __init__(self, pool: str, retry_after_s: float) -> None:
-        super().__init__(f"no engine of pool {pool!r} is healthy; retry after {retry_after_s:.0f} s")
+        super().__init__(RefusalReason.NO_ENGINE, retry_after_s, f"no engine of pool {pool!r} is healthy now; retry after {retry_after_s:.0f} s")
         self.pool = pool
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False, slots=True)
@@ -397,11 +397,14 @@ class Admission:
     # ------------------------------------------------------------- inspection
 
     def snapshot(self, top_users: int = 20) -> dict:
-        """The first pool's :meth:`qos.Scheduler.snapshot` (the whole picture in the
-        single-``upstream`` form), with ``pools``: every pool's name, queued, in flight,
-        capacity and retired flag, and ``engines``: :meth:`proxy.router.PoolRouter.snapshot`
-        of every pool."""
-        snap = self.scheduler.snapshot(top_users=top_users)
+        """:meth:`qos.Scheduler.snapshot` summed over the pools (requests, capacity and
+        queue counts added; per group and per user, counts and recent service added, a
+        user served by several pools listed once), with ``pools``: every pool's name,
+        queued, in flight, capacity, retired flag and queue per group, and ``engines``:
+        every engine (:meth:`proxy.router.EngineState.status`)."""
+        pools = list(self.all_pools())
+        snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
+        snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)
         snap["pools"] = [
             {
                 "name": p.name,
@@ -411,10 +414,36 @@ class Admission:
                 "retired": p.retired,
                 "groups": p.scheduler.queue_depths(),
             }
-            for p in self.all_pools()
+            for p in pools
         ]
         snap["engines"] = [s for r in self.routers() for s in r.snapshot()]
         return snap
+
+
+def _merge(snaps: list[dict], top_users: int) -> dict:
+    """Several schedulers' snapshots as one (see :meth:`Admission.snapshot`)."""
+    out = {k: sum(s[k] for s in snaps) for k in ("inflight", "capacity", "inflight_tokens", "queued", "users_total", "users_forgotten")}
+    groups: dict[str, dict] = {}
+    for s in snaps:
+        for g in s["groups"]:
+            acc = groups.get(g["name"])
+            if acc is None:
+                groups[g["name"]] = dict(g)
+                continue
+            for k in ("queued", "inflight", "users", "recent_service", "active_weight"):
+                acc[k] += g[k]
+    out["groups"] = list(groups.values())
+    users: dict[str, dict] = {}
+    for s in snaps:
+        for u in s["users"]:
+            acc = users.get(u["user"])
+            if acc is None:
+                users[u["user"]] = dict(u)
+                continue
+            for k in ("queued", "inflight", "recent_service"):
+                acc[k] += u[k]
+    out["users"] = sorted(users.values(), key=lambda u: (u["recent_service"], u["queued"] + u["inflight"]), reverse=True)[: max(0, top_users)]
+    return out
 
 
 def _fresh(refusal: Refused) -> Refused:

@@ -33,7 +33,6 @@ from aiohttp import web
 from qos import RefusalReason, Refused
 
 from . import metrics as m
-from .admission import NoEngine
 from .assemble import relay_assembled
 from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
@@ -53,9 +52,8 @@ STATE = web.AppKey("llm_qos_state", ProxyState)
 access_log = logging.getLogger("llm_qos.access")
 log = logging.getLogger("llm_qos.proxy")
 
-_SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN}
+_SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN, RefusalReason.NO_ENGINE}
 _NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no output token
-NO_HEALTHY_ENGINE = "no_healthy_engine"  # the 503 code when no engine of the pool is in rotation
 CLIENT_CLOSED = 499  # the access log's status for a client that left before any answer (nginx's)
 MODEL_CHARS = 128  # a body's model name is logged up to this length
 
@@ -151,11 +149,6 @@ async def _generation(
         state.metrics.requests.labels(group_name, m.OUTCOME_REFUSED).inc()
         ex.outcome, ex.detail = m.OUTCOME_REFUSED, r.reason.value
         return _refusal_response(r)
-    except NoEngine as e:
-        ex.queue_wait = loop.time() - ex.arrived_at
-        state.metrics.requests.labels(group_name, m.OUTCOME_REFUSED).inc()
-        ex.outcome, ex.detail = m.OUTCOME_REFUSED, NO_HEALTHY_ENGINE
-        return error_response(503, str(e), code=NO_HEALTHY_ENGINE, retry_after_s=e.retry_after_s)
     except asyncio.CancelledError:
         ex.queue_wait = loop.time() - ex.arrived_at
         state.metrics.requests.labels(group_name, m.OUTCOME_CLIENT_GONE).inc()

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from . import engine_metrics
 from .admission import Admission
 from .config import Config, ConfigError, with_upstream_urls
 from .engine_health import HealthChecker
@@ -75,9 +76,11 @@ class ProxyState:
         self.config_path = config_path
         self.admission = Admission(config.to_policy(), pools)
         self.admission.on_engine_removed = self._engine_removed
-        self.metrics = Metrics(lambda: self.admission.scheduler, (g.name for g in config.groups))
+        self.metrics = Metrics(lambda: [p.scheduler for p in self.admission.all_pools()], (g.name for g in config.groups))
+        engine_metrics.register(self.metrics.registry, self.admission.routers)
         self.health: HealthChecker | None = None  # created on startup, inside the loop
         self.started = False
+        self.on_engines_synced: list = []  # called (no arguments) after every sync_engines
         self._closing: set[asyncio.Task] = set()
         self.last_error: str | None = None
         self.draining = False
@@ -145,6 +148,8 @@ class ProxyState:
                 watched.append(e)
         if self.health is not None:
             self.health.sync(watched)
+        for hook in self.on_engines_synced:
+            hook()
 
     def _engine_removed(self, engine: EngineState) -> None:
         """An engine left its pool (drained): stop checking it, close its connections."""
