@@ -64,9 +64,12 @@ async def status(request: web.Request) -> web.Response:
     """``GET /admin/status[?top=N]``: queues, in-flight requests, per-class virtual
     time, and the ``N`` users with the most recent service (default 20, at most 1000)
     with the count of all users tracked; never every user (their number is bounded
-    only by ``admission.max_users``); and ``shared_state``: the shared state's mode,
-    live replicas, grants per capacity key, syncs and the last sync's age and round trip
-    (``docs/scaling.md``)."""
+    only by ``admission.max_users``). Summed over the pools, with ``pools`` (each pool's
+    queue and in flight) and ``engines`` (each engine's health state, in flight, tokens
+    in flight, load, routed requests, ejections: :meth:`proxy.router.EngineState.status`);
+    see :meth:`proxy.admission.Admission.snapshot`; and ``shared_state``: the shared
+    state's mode, live replicas, grants per capacity key, syncs and the last sync's age
+    and round trip (``docs/scaling.md``)."""
     if (denied := check_admin(request)) is not None:
         return denied
     raw = request.query.get("top", "")
@@ -76,7 +79,7 @@ async def status(request: web.Request) -> web.Response:
             return error_response(400, "'top' must be a whole number", code="invalid_request", param="top")
         top = min(int(raw[:6]), STATUS_MAX_TOP_USERS)
     state = request.app[STATE]
-    snap = state.admission.scheduler.snapshot(top_users=top)
+    snap = state.admission.snapshot(top_users=top)
     snap["shared_state"] = state.shared.status()  # mode, grants per key, last sync age
     return web.json_response(snap)
 

@@ -1,21 +1,49 @@
-"""The asyncio face of the scheduler: wait for a slot, give it back exactly once.
+"""The asyncio face of the schedulers: wait for a slot on an engine, give it back exactly once.
 
-:class:`Admission` owns the :class:`qos.Scheduler`. A request calls :meth:`acquire`,
-which either returns at once, or parks the request on a future that the scheduler's
-``on_admit`` / ``on_refuse`` callbacks resolve. No polling, no threads: waking is driven by
-the events that free capacity (a release, a cancel, a policy change). A queued request
-whose client disconnects is cancelled by aiohttp, and the ``except`` path takes it out of
-the queue at once.
+:class:`Admission` owns one :class:`Pool` per configured pool (the single ``upstream``
+form is the pool ``default`` of one engine): its :class:`qos.Scheduler` (its own queue,
+so one model's overload never blocks another's) whose capacity is the pool's
+:class:`proxy.router.PoolRouter` (through :class:`proxy.router.PoolCapacity`). Groups,
+users and weights are the same policy in every pool; fair-share counters are kept per
+pool (each pool's queue orders its own users); rate limits are one
+:class:`qos.RateLimiter` shared by every pool, so a user's limit holds across models.
+
+A request calls :meth:`Admission.acquire` with its pool, which either returns at once, or
+parks the request on a future that the scheduler's ``on_admit`` / ``on_refuse`` callbacks
+resolve. No polling, no threads: waking is driven by the events that free capacity (a
+release, a cancel, a policy change, an engine back in rotation, a load reading). A queued
+request whose client disconnects is cancelled by aiohttp, and the ``except`` path takes it
+out of the queue at once.
+
+Bind late: the returned ticket's ``placement`` is the :class:`proxy.router.EngineState`
+chosen when it was dispatched; the handler opens the request on that engine's ``client``
+(:class:`proxy.upstream.Upstream`). A request whose connection failed before it reached the
+engine is moved with :meth:`Admission.reroute`.
+
+Zero engines in rotation: :meth:`acquire` raises :class:`NoEngine` (503 with Retry-After)
+at once instead of queueing. Requests already queued when a pool loses its last engine
+keep waiting, bounded by ``admission.queue_timeout_s``, and are dispatched the moment a
+probe brings an engine back (:meth:`Admission.engine_checked`).
+
+Reload (:meth:`Admission.reconfigure`): pools and engines are matched by name. A kept
+pool keeps its scheduler (queue, fairness counters, requests in flight); its router adds
+engines, updates kept ones and drains removed ones (no new work; they leave when their
+last request ends). A removed pool is *retired*: it takes no new request, but finishes
+what it holds, requests in flight and queued ones alike, on its engines, then closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
+from qos.rate_limit import RateLimiter
 
+from .pool_config import PoolSpec
+from .router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit
 
 
@@ -23,39 +51,218 @@ def _nothing() -> None:
     return None
 
 
-class Admission:
-    """Admission control for one proxy process.
-
-    Args:
-        policy: the initial scheduler policy.
-        clock: monotonic clock in seconds (the scheduler's).
-        shared_limits: rate limits reserved in a shared state before submit
-            (:class:`proxy.shared_limits.SharedRateLimiter`), or ``None`` (the
-            scheduler's own buckets).
+class NoEngine(Refused):
+    """No engine of the pool is in rotation (all ejected or draining): answer 503 at once
+    (reason :attr:`qos.RefusalReason.NO_ENGINE`, ``no_healthy_engine``).
 
     Attributes:
-        clock: the scheduler's clock.
-        on_wait: called (no arguments) when a request starts waiting in the queue
-            (a replica asks the shared state for a sync then: its grant may not cover it).
+        pool: the pool's name.
+        retry_after_s: seconds until the first ejected engine is probed (>= 1).
     """
 
-    def __init__(self, policy: SchedulerPolicy, clock=time.monotonic, shared_limits: SharedRateLimiter | None = None) -> None:
-        self.scheduler = Scheduler(policy, clock=clock, on_admit=self._wake, on_refuse=self._refuse, rate_limiter=shared_limits)
-        self.shared_limits = shared_limits
-        self.on_wait = _nothing
+    def __init__(self, pool: str, retry_after_s: float) -> None:
+        super().__init__(RefusalReason.NO_ENGINE, retry_after_s, f"no engine of pool {pool!r} is healthy now; retry after {retry_after_s:.0f} s")
+        self.pool = pool
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A queued ticket's ``context``: its wake-up future and its affinity key."""
+
+    fut: asyncio.Future
+    key: str | None
+
+
+@dataclass(eq=False)
+class Pool:
+    """One pool, live: its config, router and scheduler.
+
+    Attributes:
+        spec: its resolved config.
+        router: its engines and the choice among them.
+        scheduler: its queue and admission.
+        retired: removed by a reload; finishing what it holds.
+    """
+
+    spec: PoolSpec
+    router: PoolRouter
+    scheduler: Scheduler
+    retired: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def tracks_health(self) -> bool:
+        """Whether its engines are ejected on failures and checked actively. Not for the
+        single-``upstream`` form: one engine, whose failures the client sees as before
+        (there is no other engine to send the request to)."""
+        return not self.spec.single_upstream
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing in flight."""
+        return not self.scheduler.queued and not self.scheduler.inflight
+
+
+class Admission:
+    """Admission control for one proxy process, across its pools.
+
+    Args:
+        policy: the initial scheduler policy (groups, users, weights, limits).
+        pools: the resolved pools (:meth:`proxy.config.Config.effective_pools`), at least one.
+        clock: monotonic clock in seconds (the schedulers').
+        rate_limiter: the rate limits every pool reserves from (default: one private
+            :class:`qos.RateLimiter` of ``2 * policy.max_users + 64`` buckets, resized with
+            the policy); a :class:`proxy.shared_limits.SharedRateLimiter` reserves them in
+            the shared state (Redis) before each submit.
+
+    Attributes:
+        clock: the schedulers' clock.
+        pools: name -> :class:`Pool`, config order.
+        retired: removed pools still finishing their requests.
+        rate_limiter: the shared rate limits.
+        on_engine_removed: called with an engine that left its pool (drained after a
+            reload, or with its retired pool); the proxy closes its connections there.
+        on_capacity: called with a pool after its engines' room grew outside the
+            scheduler (an engine back, a load limit lifted); default: dispatch.
+        on_wait: called (no arguments) when a request starts waiting in a queue (a
+            replica asks the shared state for a sync then: its lease may not cover it).
+    """
+
+    def __init__(
+        self,
+        policy: SchedulerPolicy,
+        pools: Sequence[PoolSpec],
+        clock=time.monotonic,
+        rate_limiter: RateLimiter | None = None,
+    ) -> None:
         self._clock = self.clock = clock
+        self._owns_limiter = rate_limiter is None
+        self.rate_limiter = rate_limiter if rate_limiter is not None else RateLimiter(max_buckets=2 * policy.max_users + 64)
+        self.policy = policy
+        self.pools: dict[str, Pool] = {}
+        self.retired: list[Pool] = []
+        self._placing_key: str | None = None
+        self.on_engine_removed: Callable[[EngineState], None] | None = None
+        self.on_wait: Callable[[], None] = _nothing
+        self.reconfigure(policy, pools)
+
+    # ------------------------------------------------------------------ pools
+
+    def _new_pool(self, spec: PoolSpec, policy: SchedulerPolicy) -> Pool:
+        router = PoolRouter(spec, clock=self._clock)
+        capacity = PoolCapacity(router, self._affinity_of)
+        scheduler = Scheduler(
+            policy, clock=self._clock, on_admit=self._wake, on_refuse=self._refuse, rate_limiter=self.rate_limiter, capacity=capacity
+        )
+        pool = Pool(spec, router, scheduler)
+        router.on_engine_removed = self._engine_removed
+        return pool
+
+    def reconfigure(self, policy: SchedulerPolicy, pools: Sequence[PoolSpec]) -> None:
+        """Take a new policy and pools (hot reload; see the module docstring). Kept pools
+        keep their queues, counters and requests in flight; every scheduler takes
+        ``policy`` (:meth:`qos.Scheduler.update_policy`).
+
+        Raises:
+            ValueError: ``policy`` is inconsistent, or ``pools`` is empty (nothing changes).
+        """
+        if not pools:
+            raise ValueError("at least one pool is needed")
+        self.policy = policy
+        if self._owns_limiter:
+            self.rate_limiter.max_buckets = 2 * policy.max_users + 64
+        old = self.pools
+        new: dict[str, Pool] = {}
+        for spec in pools:
+            pool = old.get(spec.name)
+            if pool is None:
+                pool = next((p for p in self.retired if p.name == spec.name), None)
+                if pool is not None:
+                    self.retired.remove(pool)
+                    pool.retired = False
+            if pool is None:
+                pool = self._new_pool(spec, policy)
+            else:
+                pool.spec = spec
+                pool.router.reconfigure(spec)
+                pool.scheduler.update_policy(policy)
+            new[spec.name] = pool
+        self.pools = new
+        for name, pool in old.items():
+            if name not in new:
+                pool.retired = True
+                pool.scheduler.update_policy(policy)
+                self.retired.append(pool)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Close retired pools that hold nothing any more."""
+        for pool in [p for p in self.retired if p.idle]:
+            self.retired.remove(pool)
+            pool.router.reconfigure(PoolSpec(pool.name, pool.spec.models, (), pool.spec.routing, pool.spec.health))
+
+    def _engine_removed(self, engine: EngineState) -> None:
+        if self.on_engine_removed is not None:
+            self.on_engine_removed(engine)
+
+    @property
+    def default(self) -> Pool:
+        """The first pool (the only one in the single-``upstream`` form)."""
+        return next(iter(self.pools.values()))
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first pool's scheduler (the only one in the single-``upstream`` form)."""
+        return self.default.scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:  # bench/live.py swaps in another policy
+        self.default.scheduler = scheduler
+
+    def all_pools(self) -> Iterator[Pool]:
+        """Every pool, the retired ones last."""
+        yield from self.pools.values()
+        yield from self.retired
+
+    def routers(self) -> list[PoolRouter]:
+        """Every pool's router (retired pools' included)."""
+        return [p.router for p in self.all_pools()]
+
+    def engines(self) -> Iterator[tuple[Pool, EngineState]]:
+        """Every engine of every pool (draining ones included)."""
+        for pool in self.all_pools():
+            for e in list(pool.router.engines.values()):
+                yield pool, e
+
+    def pool_of(self, engine: EngineState) -> Pool | None:
+        """The pool ``engine`` belongs to, or ``None`` once it left."""
+        for pool in self.all_pools():
+            if pool.router.engines.get(engine.name) is engine:
+                return pool
+        return None
+
+    # -------------------------------------------------------------- callbacks
 
     @staticmethod
     def _wake(ticket: Ticket) -> None:
-        fut = ticket.context
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        w = ticket.context
+        if isinstance(w, _Waiting) and not w.fut.done():
+            w.fut.set_result(None)
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:
-        fut = ticket.context
-        if fut is not None and not fut.done():
-            fut.set_exception(_fresh(ticket.refusal))
+        w = ticket.context
+        if isinstance(w, _Waiting) and not w.fut.done():
+            w.fut.set_exception(_fresh(ticket.refusal))
+
+    def _affinity_of(self, ticket: Ticket) -> str | None:
+        w = ticket.context
+        return w.key if isinstance(w, _Waiting) else self._placing_key
+
+    # ---------------------------------------------------------------- acquire
 
     async def acquire(
         self,
@@ -65,8 +272,11 @@ class Admission:
         max_tokens: int | None,
         choices: int = 1,
         output_ceiling: int | None = None,
+        *,
+        pool: str | None = None,
+        key: str | None = None,
     ) -> Ticket:
-        """Wait until the request may go upstream.
+        """Wait until the request may go to an engine of ``pool``.
 
         Args:
             user_id: the caller.
@@ -78,42 +288,63 @@ class Admission:
             max_tokens: the request's output cap per choice (tokens) or ``None``.
             choices: the output multiplier (``max(n, best_of)`` x prompts).
             output_ceiling: the serving engine's output ceiling when known (tokens).
+            pool: the pool's name (:class:`proxy.model_routing.Route`); ``None``: the first.
+            key: the request's affinity key (:func:`proxy.router.affinity_key`), or ``None``.
 
         Returns:
-            An ADMITTED ticket; the caller must :meth:`release` it in a ``finally``.
+            An ADMITTED ticket whose ``placement`` is its engine
+            (:class:`proxy.router.EngineState`); the caller must :meth:`release` it in a
+            ``finally``.
 
         Raises:
+            NoEngine: no engine of the pool is in rotation (nothing was reserved).
             Refused: too large to ever fit (``TOO_LARGE``), rate limited, queue full,
                 evicted, waited past ``queue_timeout_s``, or shutting down.
             asyncio.CancelledError: the client went away while queued; the ticket has
                 been removed from the queue (or released, if admission raced the cancel).
+            KeyError: no pool of that name.
         """
-        sched = self.scheduler
-        if self.shared_limits is None:
-            ticket = sched.submit(user_id, group, prompt_tokens, max_tokens, choices=choices, output_ceiling=output_ceiling)
+        p = self.pools[pool] if pool is not None else self.default
+        if not p.router.available:
+            raise NoEngine(p.name, p.router.retry_after_s())
+        sched = p.scheduler
+
+        def submit() -> Ticket:
+            self._placing_key = key
+            try:
+                return sched.submit(user_id, group, prompt_tokens, max_tokens, choices=choices, output_ceiling=output_ceiling)
+            finally:
+                self._placing_key = None
+
+        if isinstance(self.rate_limiter, SharedRateLimiter):
+            request = {"user_id": user_id, "group": group, "prompt_tokens": prompt_tokens, "max_output_tokens": max_tokens, "choices": choices, "output_ceiling": output_ceiling}
+            ticket = await reserve_and_submit(sched, self.rate_limiter, request, submit)
         else:
-            submit = {"user_id": user_id, "group": group, "prompt_tokens": prompt_tokens, "max_output_tokens": max_tokens, "choices": choices, "output_ceiling": output_ceiling}
-            ticket = await reserve_and_submit(sched, self.shared_limits, submit)
+            ticket = submit()
         if ticket.state is TicketState.ADMITTED:
+            ticket.context = p
             return ticket
         self.on_wait()
         fut = asyncio.get_running_loop().create_future()
-        ticket.context = fut
+        ticket.context = _Waiting(fut, key)
         try:
             async with asyncio.timeout_at(self._loop_deadline(ticket)):
                 await fut
         except TimeoutError:
             if sched.cancel(ticket, RefusalReason.TIMEOUT) or ticket.state is TicketState.REFUSED:
+                ticket.context = None
                 raise _fresh(ticket.refusal) from None
-            return ticket  # admitted in the same instant the deadline passed
         except BaseException:
+            ticket.context = None
             if not sched.cancel(ticket) and ticket.state is TicketState.ADMITTED:
                 sched.release(ticket)
+            self._sweep()
             raise
         finally:
             # no reference cycle (future -> exception -> traceback -> this frame -> future)
             # left for the garbage collector: refused requests are freed at once
-            ticket.context = fut = None
+            fut = None
+        ticket.context = p
         return ticket
 
     def _loop_deadline(self, ticket: Ticket) -> float:
@@ -122,15 +353,115 @@ class Admission:
 
     def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
         """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`."""
-        return self.scheduler.release(ticket, prompt_tokens, output_tokens)
+        pool = ticket.context
+        if not isinstance(pool, Pool):
+            return False
+        done = pool.scheduler.release(ticket, prompt_tokens, output_tokens)
+        if pool.retired:
+            self._sweep()
+        return done
+
+    def record_output(self, ticket: Ticket, output_tokens: int) -> None:
+        """See :meth:`qos.Scheduler.record_output`."""
+        pool = ticket.context
+        if isinstance(pool, Pool):
+            pool.scheduler.record_output(ticket, output_tokens)
+
+    def reroute(self, ticket: Ticket, tried: Iterable[EngineState]) -> EngineState | None:
+        """Move an admitted ticket whose request never reached its engine to another one
+        of its pool, not in ``tried`` (:meth:`proxy.router.PoolRouter.reroute`): the
+        engine with room and the most headroom, else the healthy one with the most
+        headroom even if full (the request was admitted; the engine it was given failed).
+        Returns the new engine (``ticket.placement``), or ``None`` when no other engine is
+        in rotation (the ticket then holds no engine; :meth:`release` it as usual)."""
+        pool = ticket.context
+        if not isinstance(pool, Pool):
+            return None
+        engine = pool.router.reroute(ticket, exclude=tuple(tried), over=True)
+        ticket.placement = engine
+        return engine
+
+    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "") -> None:
+        """Record the result of a request sent to ``engine`` (see
+        :meth:`proxy.engine_health.EngineHealth.record_request`); nothing for the
+        single-``upstream`` form (:attr:`Pool.tracks_health`)."""
+        pool = self.pool_of(engine)
+        if pool is not None and pool.tracks_health:
+            pool.router.report(engine, ok, reason, detail)
+
+    def engine_checked(self, engine: EngineState) -> None:
+        """An engine's health check or probe ended: dispatch its pool if it is in rotation
+        (it may be back)."""
+        pool = self.pool_of(engine)
+        if pool is not None and engine.in_rotation:
+            pool.scheduler.dispatch()
+
+    def dispatch(self, engine: EngineState | None = None) -> None:
+        """Dispatch what fits now in ``engine``'s pool (every pool for ``None``): its room
+        grew outside the schedulers' own calls (a load limit lifted)."""
+        pools = list(self.all_pools()) if engine is None else [p for p in [self.pool_of(engine)] if p is not None]
+        for p in pools:
+            p.scheduler.dispatch()
 
     def update_policy(self, policy: SchedulerPolicy) -> None:
-        """Swap the policy (hot reload); see :meth:`qos.Scheduler.update_policy`."""
-        self.scheduler.update_policy(policy)
+        """Swap the policy in every pool, pools unchanged; see :meth:`qos.Scheduler.update_policy`."""
+        self.reconfigure(policy, [p.spec for p in self.pools.values()])
 
     def close(self) -> None:
-        """Refuse everything queued (503) and every later request."""
-        self.scheduler.close()
+        """Refuse everything queued (503) and every later request, in every pool."""
+        for p in self.all_pools():
+            p.scheduler.close()
+
+    # ------------------------------------------------------------- inspection
+
+    def snapshot(self, top_users: int = 20) -> dict:
+        """:meth:`qos.Scheduler.snapshot` summed over the pools (requests, capacity and
+        queue counts added; per group and per user, counts and recent service added, a
+        user served by several pools listed once), with ``pools``: every pool's name,
+        queued, in flight, capacity, retired flag and queue per group, and ``engines``:
+        every engine (:meth:`proxy.router.EngineState.status`)."""
+        pools = list(self.all_pools())
+        snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
+        snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)
+        snap["pools"] = [
+            {
+                "name": p.name,
+                "queued": p.scheduler.queued,
+                "inflight": len(p.scheduler.inflight),
+                "capacity": p.scheduler.capacity,
+                "retired": p.retired,
+                "groups": p.scheduler.queue_depths(),
+            }
+            for p in pools
+        ]
+        snap["engines"] = [s for r in self.routers() for s in r.snapshot()]
+        return snap
+
+
+def _merge(snaps: list[dict], top_users: int) -> dict:
+    """Several schedulers' snapshots as one (see :meth:`Admission.snapshot`)."""
+    out = {k: sum(s[k] for s in snaps) for k in ("inflight", "capacity", "inflight_tokens", "queued", "users_total", "users_forgotten")}
+    groups: dict[str, dict] = {}
+    for s in snaps:
+        for g in s["groups"]:
+            acc = groups.get(g["name"])
+            if acc is None:
+                groups[g["name"]] = dict(g)
+                continue
+            for k in ("queued", "inflight", "users", "recent_service", "active_weight"):
+                acc[k] += g[k]
+    out["groups"] = list(groups.values())
+    users: dict[str, dict] = {}
+    for s in snaps:
+        for u in s["users"]:
+            acc = users.get(u["user"])
+            if acc is None:
+                users[u["user"]] = dict(u)
+                continue
+            for k in ("queued", "inflight", "recent_service"):
+                acc[k] += u[k]
+    out["users"] = sorted(users.values(), key=lambda u: (u["recent_service"], u["queued"] + u["inflight"]), reverse=True)[: max(0, top_users)]
+    return out
 
 
 def _fresh(refusal: Refused) -> Refused:
@@ -139,4 +470,4 @@ def _fresh(refusal: Refused) -> Refused:
     return Refused(refusal.reason, refusal.retry_after_s, refusal.detail, refusal.scope, refusal.limit)
 
 
-__all__ = ["Admission", "Refused", "RefusalReason"]
+__all__ = ["Admission", "NoEngine", "Pool", "Refused", "RefusalReason"]

@@ -12,7 +12,6 @@ from .errors import error_response
 from .handlers import STATE
 from .load_signal import LOAD_SIGNAL, LoadSignal
 from .state import ProxyState
-from .upstream import Upstream
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -51,7 +50,7 @@ def create_app(
     """Build the proxy application for ``config``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``,
-    ``POST /generate_stream`` (LightLLM native), ``GET /v1/models``, ``GET /health``,
+    ``POST /generate_stream`` (LightLLM native), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
     ``GET /ready``, ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see
     :mod:`proxy.admin`) and the live dashboard ``/admin/dashboard`` (see :mod:`proxy.dashboard`).
 
@@ -68,6 +67,7 @@ def create_app(
     app.router.add_post("/generate", handlers.generate)
     app.router.add_post("/generate_stream", handlers.generate_stream)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
@@ -76,15 +76,14 @@ def create_app(
     dashboard.add_routes(app)
 
     async def start_upstream(app: web.Application) -> None:
-        state.upstream = Upstream(state.active.config.upstream)
+        state.start()  # every engine's connections and health checks
         load_signal.start()
         await state.shared.start()
 
     async def close_upstream(app: web.Application) -> None:
         await state.shared.stop()  # after the drain: gives this replica's grants back
         await load_signal.stop()
-        if state.upstream is not None:
-            await state.upstream.close()
+        await state.close()
 
     app.on_startup.append(start_upstream)
     app.on_cleanup.append(close_upstream)

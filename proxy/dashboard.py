@@ -39,7 +39,8 @@ group's service, to compare with its ``weight_share`` (its weight over the weigh
 group's users active in the window), which is what weighted fair sharing promises users
 that stay backlogged.
 
-``engines`` is a list so that several engines fill it; today it holds the one upstream.
+``engines`` lists every engine of every pool (with ``pool``, ``state``, ``routed``, ``ejections``
+... as :meth:`proxy.router.EngineState.status`); the single ``upstream`` is named ``upstream``.
 ``users`` comes from the scheduler's own tally of each user's recent service (decayed
 with time constant ``admission.share_window_s``; :meth:`qos.Scheduler.snapshot`): its top
 users, and per group the service of all users and the weight of the active ones.
@@ -209,7 +210,7 @@ class Dashboard:
         """The dashboard's JSON document (shape in the module docstring)."""
         state = self._state
         sched = state.admission.scheduler
-        snap = sched.snapshot()
+        snap = state.admission.snapshot()
         now = self._clock()
         current = self._sample(now)
         base = self._base(current)
@@ -230,7 +231,10 @@ class Dashboard:
             if n > 0:
                 by_reason[reason] = by_reason.get(reason, 0.0) + n
                 by_group.setdefault(group, {})[reason] = n
-        oldest = oldest_waits(sched, now)
+        oldest: dict[str, float] = {}
+        for pool in state.admission.all_pools():
+            for name, age in oldest_waits(pool.scheduler, now).items():
+                oldest[name] = max(oldest.get(name, 0.0), age)
         min_shares = {g.name: g.min_share for g in sched.policy.groups}
         groups = []
         for i, g in enumerate(snap["groups"]):
@@ -301,36 +305,17 @@ class Dashboard:
         return {"source": "scheduler", "total": snap["users_total"], "top": rows}
 
     def engines(self, now: float) -> list[dict]:
-        """One entry per engine behind this proxy (today: the one upstream)."""
+        """One entry per engine of every pool (:meth:`proxy.router.EngineState.status`;
+        the single ``upstream`` is named ``upstream``), with ``pool`` and ``state``."""
         state = self._state
-        sched = state.admission.scheduler
-        up = state.active.config.upstream
-        sig = self._signal
-        fresh = sig.reading is not None and now - sig.reading_at <= up.load_signal.stale_after_s
-        if up.load_signal.enabled is False:
-            signal = "off"
-        elif sig.no_signal:
-            signal = "no_signal"
-        elif sig.reading is None:
-            signal = "waiting"
-        else:
-            signal = "ok" if fresh else "stale"
-        reading = sig.reading if fresh else None
-        return [
-            {
-                "name": "upstream",
-                "url": up.url,
-                "kind": up.kind,
-                "inflight": len(sched.inflight),
-                "capacity": sched.capacity,
-                "max_inflight": sched.policy.max_inflight,
-                "inflight_tokens": sched.inflight_tokens,
-                "load": None if reading is None else reading.load,
-                "waiting": None if reading is None else reading.waiting,
-                "saturated": sig.saturated,
-                "load_signal": signal,
-            }
-        ]
+        single = state.active.models.single_upstream
+        out = []
+        for r in state.admission.routers():
+            for row in r.snapshot():
+                if single:
+                    row["name"] = "upstream"
+                out.append(row)
+        return out
 
 
 DASHBOARD = web.AppKey("llm_qos_dashboard", Dashboard)

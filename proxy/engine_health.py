@@ -248,14 +248,18 @@ class HealthChecker:
     An engine is anything with ``name``, ``url``, ``health`` (an :class:`EngineHealth`)
     and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.router.EngineState`).
 
+    ``on_checked``, when given, is called with the engine after each check or probe has
+    been recorded (the proxy dispatches the engine's pool there: room may have come back).
+
     Create and use it inside a running event loop; :meth:`close` it on shutdown.
     """
 
     MAX_BODY = 64 * 1024
 
-    def __init__(self) -> None:
+    def __init__(self, on_checked: Callable[[Any], None] | None = None) -> None:
         self._tasks: dict[Any, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
+        self.on_checked = on_checked
 
     @property
     def watched(self) -> list[Any]:
@@ -316,6 +320,8 @@ class HealthChecker:
                 if self._tasks.get(engine) is not asyncio.current_task():
                     return  # unwatched while the check was in flight
                 health.record_check(ok, detail)
+                if self.on_checked is not None:
+                    self.on_checked(engine)  # an engine back in rotation: dispatch its pool
         finally:
             if health.on_change == wake.set:
                 health.on_change = None

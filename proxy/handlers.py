@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 import aiohttp
@@ -33,20 +34,25 @@ from qos import RefusalReason, Refused
 
 from . import metrics as m
 from .assemble import relay_assembled
+from .engine_body import body_for_engine, priority_value
+from .engine_health import check_path_for
 from .errors import error_response
+from .model_routing import ModelTable, Route, model_error, parse_models_body
 from .relay import Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of
 from .request_body import BadRequest, ParsedRequest, PromptCosts, cap_max_tokens, parse_chat, parse_completion, parse_generate
+from .request_kinds import prompt_prefix
+from .router import EngineState, affinity_key
 from .sse import EventTooLarge
 from .state import ProxyState
 from .upstream import UpstreamError
-from .upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body
+from .upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
 access_log = logging.getLogger("llm_qos.access")
 log = logging.getLogger("llm_qos.proxy")
 
-_SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN}
+_SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN, RefusalReason.NO_ENGINE}
 _NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no output token
 CLIENT_CLOSED = 499  # the access log's status for a client that left before any answer (nginx's)
 MODEL_CHARS = 128  # a body's model name is logged up to this length
@@ -89,7 +95,6 @@ async def _generation(
     request: web.Request, ex: Exchange, parse: Callable[[bytes], ParsedRequest], path: str, native: bool
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    active = state.active  # one config for the whole request
     loop = asyncio.get_running_loop()
     try:
         raw = await request.read()
@@ -99,19 +104,20 @@ async def _generation(
     except Exception as e:  # a body that cannot be decoded (bad Content-Encoding, broken chunking)
         ex.outcome, ex.detail = m.OUTCOME_BAD_REQUEST, "invalid_body"
         return error_response(400, f"the request body could not be read: {type(e).__name__}", code="invalid_body")
+    active = state.active  # one config for the rest of the request
     ident = active.identity.resolve(request.headers)
     ex.user = ident.user_id
     if active.identity.require_api_key and not ident.authenticated:
         ex.outcome, ex.detail = m.OUTCOME_REFUSED, "invalid_api_key"
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
     group_name = ex.group = ident.group or active.config.default_group
-    upstream_cfg = active.config.upstream
     try:
         parsed = parse(raw, active.config.cost)
         cap = active.config.group(group_name).max_tokens
         if cap is not None:
             parsed = cap_max_tokens(parsed, cap, active.config.limits.max_tokens_action == "reject")
-        plan = plan_upstream_body(parsed, upstream_cfg, state.upstream.accepts_stream_options, native)
+        if not native:
+            stream_options_of(parsed.fields)  # a bad one is the client's 400, before any wait
     except BadRequest as e:
         state.metrics.requests.labels(group_name, m.OUTCOME_BAD_REQUEST).inc()
         ex.outcome, ex.detail = m.OUTCOME_BAD_REQUEST, e.param or "invalid_request"
@@ -119,10 +125,24 @@ async def _generation(
     model = parsed.fields.get("model")
     if isinstance(model, str):
         ex.model = model[:MODEL_CHARS]
-
+    route = native_route(active.models, model) if native else active.models.route(model)
+    if route is None:
+        state.metrics.requests.labels(group_name, m.OUTCOME_BAD_REQUEST).inc()
+        ex.outcome, ex.detail = m.OUTCOME_BAD_REQUEST, "model_not_found"
+        return model_error(model)
     admission = state.admission
+    pool = admission.pools[route.pool]
+    if native and any(e.kind != "lightllm" for e in pool.spec.engines):
+        ex.outcome, ex.detail = m.OUTCOME_BAD_REQUEST, "not_found"
+        return error_response(404, f"{path} is LightLLM's native route; pool {pool.name!r} has engines that are not lightllm", code="not_found")
+    key = None
+    if pool.spec.routing.affinity.enabled:
+        aff = pool.spec.routing.affinity
+        session = request.headers.get(aff.session_header) if aff.session_header else None
+        key = affinity_key(pool.spec.routing, session, prompt_prefix(parsed.fields, aff.prefix_chars) if aff.prefix_chars else None)
+
     try:
-        ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices)
+        ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, pool=route.pool, key=key)
     except Refused as r:
         ex.queue_wait = loop.time() - ex.arrived_at
         state.metrics.rejections.labels(group_name, r.reason.value).inc()
@@ -138,25 +158,40 @@ async def _generation(
     ex.group = ticket.group
     ex.queue_wait = loop.time() - ex.arrived_at
     upstream = None
+    engine = ticket.placement
     aborted = False
     query = raw_query(request)
     try:
-        try:
-            upstream, plan = await _open(state, path, plan, ex, query, native)
-        except UpstreamError as e:
-            ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
-            aborted = e.aborted
-            return error_response(e.status, e.message, code=e.code)
-        except asyncio.CancelledError:
-            aborted = True  # the client left while the proxy waited for the upstream's headers
-            raise
+        tried = []
+        while True:
+            plan = _engine_plan(parsed, engine, route, native, admission.policy, ticket.group)
+            try:
+                upstream, plan = await _open(engine, path, plan, ex, query, native)
+                break
+            except UpstreamError as e:
+                if e.unsent:  # it never reached the engine: another one may take it
+                    admission.report(engine, False, "connect", e.message)
+                    tried.append(engine)
+                    nxt = admission.reroute(ticket, tried)
+                    if nxt is not None:
+                        log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
+                        engine = nxt
+                        continue
+                else:
+                    admission.report(engine, False, "timeout" if e.status == 504 else "reset", e.message)
+                ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
+                aborted = e.aborted
+                return error_response(e.status, e.message, code=e.code)
+            except asyncio.CancelledError:
+                aborted = True  # the client left while the proxy waited for the upstream's headers
+                raise
         coding = content_coding(upstream.headers)
         if coding not in DECODED_CODINGS:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, "upstream_bad_response"
             return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
         is_json = "json" in upstream.headers.get("Content-Type", "").lower()
         if parsed.stream and upstream.status == 200 and not is_json:
-            progress = lambda n: admission.scheduler.record_output(ticket, n)  # noqa: E731
+            progress = lambda n: admission.record_output(ticket, n)  # noqa: E731
             return await relay_stream(
                 request,
                 upstream,
@@ -168,7 +203,7 @@ async def _generation(
                 strip_usage=plan.strip_usage,
             )
         try:
-            if upstream.status == 417 and (native or upstream_cfg.kind == "lightllm"):  # LightLLM's validation errors, any route
+            if upstream.status == 417 and (native or engine.kind == "lightllm"):  # LightLLM's validation errors, any route
                 body = await upstream.read()
                 ex.upstream_ended = True  # read in full: nothing to abort
                 ex.outcome = m.OUTCOME_BAD_REQUEST
@@ -184,6 +219,12 @@ async def _generation(
         raise
     finally:
         if upstream is not None:
+            if upstream.status >= 500:
+                admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
+            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR:
+                admission.report(engine, False, "stream_cut", ex.detail)
+            else:
+                admission.report(engine, True)
             if ex.upstream_ended:
                 upstream.release()
             else:
@@ -198,17 +239,43 @@ async def _generation(
         loop.call_soon(_account, state, ex, parsed)
 
 
+def native_route(models: ModelTable, model: object) -> Route | None:
+    """The pool of a LightLLM native request: the pool that lists its ``model`` when it
+    names one a pool lists, else the catch-all (or only) pool."""
+    route = models.route(model) if isinstance(model, str) else None
+    if route is not None and (route.pool != models.catch_all or models.catch_all is None):
+        return Route(route.pool)
+    default = models.default_pool
+    return Route(default) if default is not None else None
+
+
+def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, native: bool, policy, group: str) -> UpstreamBody:
+    """The body to send ``engine`` (bind late: built once the engine is known): the
+    alias's model name and the two-level priority (:mod:`proxy.engine_body`), then the
+    proxy's own stream settings for that engine (:mod:`proxy.upstream_body`)."""
+    if native:
+        return UpstreamBody(parsed.body)
+    spec = engine.spec
+    priority = None
+    if spec.priority_field is not None:
+        priority = (spec.priority_field, priority_value(policy.group_index(group), len(policy.groups), spec.priority_order))
+    if route.upstream_model is not None or priority is not None:
+        body = body_for_engine(parsed.body, parsed.fields, route.upstream_model, priority)
+        parsed = replace(parsed, body=body, fields=orjson.loads(body))
+    return plan_upstream_body(parsed, spec.upstream, engine.client.accepts_stream_options, native)
+
+
 async def _open(
-    state: ProxyState, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool
+    engine: EngineState, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool
 ) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
-    """Open the upstream request for ``plan``. An engine that rejects the proxy's own
-    ``stream_options`` (a 400/417/422 whose body names it) gets the request once more
-    without them (``proxy.upstream_body``).
+    """Open the upstream request for ``plan`` on ``engine``. An engine that rejects the
+    proxy's own ``stream_options`` (a 400/417/422 whose body names it) gets the request
+    once more without them (``proxy.upstream_body``).
 
     Raises:
         UpstreamError: as :meth:`proxy.upstream.Upstream.open`.
     """
-    up = state.upstream
+    up = engine.client
     upstream = await up.open("POST", path, plan.body, query=query, request_id=ex.request_id)
     if plan.fallback is None or native or upstream.status not in REJECTED:
         return upstream, plan
@@ -299,29 +366,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def _native_unavailable(request: web.Request) -> web.Response | None:
-    if request.app[STATE].active.config.upstream.kind != "lightllm":
-        return error_response(404, f"{request.path} is LightLLM's native route; this proxy's upstream.kind is not lightllm", code="not_found")
+    state = request.app[STATE]
+    if not any(e.kind == "lightllm" for pool in state.admission.pools.values() for e in pool.spec.engines):
+        what = "this proxy's upstream.kind is not lightllm" if state.active.models.single_upstream else "no pool of this proxy has lightllm engines"
+        return error_response(404, f"{request.path} is LightLLM's native route; {what}", code="not_found")
     return None
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """LightLLM native ``POST /generate`` (404 unless ``upstream.kind`` is lightllm)."""
+    """LightLLM native ``POST /generate`` (404 unless the request's pool, by ``model``
+    if the body names a listed one, else the catch-all pool, has only lightllm engines)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
     return await handle_generation(request, lambda raw, costs: parse_generate(raw, False, costs), "/generate", native=True)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    """LightLLM native ``POST /generate_stream`` (404 unless ``upstream.kind`` is lightllm)."""
+    """LightLLM native ``POST /generate_stream`` (as :func:`generate`)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
     return await handle_generation(request, lambda raw, costs: parse_generate(raw, True, costs), "/generate_stream", native=True)
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models`` (and ``HEAD``), passed through from the upstream with its query
-    string and end-to-end headers (401 without a known key when
-    ``identity.require_api_key`` is on); every answer carries ``X-Request-Id``."""
+    """``GET /v1/models`` (and ``HEAD``): with the single ``upstream``, the upstream's own
+    answer passed through with its query string and end-to-end headers; with pools, every
+    model a pool lists, then what the catch-all pool's engine lists
+    (:meth:`proxy.model_routing.ModelTable.models_list`). 401 without a known key when
+    ``identity.require_api_key`` is on; every answer carries ``X-Request-Id``."""
     rid = request_id_of(request.headers)
     resp = await _models(request, rid)
     if REQUEST_ID not in resp.headers:
@@ -329,29 +401,84 @@ async def models(request: web.Request) -> web.Response:
     return resp
 
 
-async def _models(request: web.Request, rid: str) -> web.Response:
-    state = request.app[STATE]
-    active = state.active
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the entry of ``GET /v1/models`` for that id, or 404
+    ``model_not_found`` (401 as for :func:`models`)."""
+    rid = request_id_of(request.headers)
+    resp = await _model(request, rid)
+    resp.headers[REQUEST_ID] = rid
+    return resp
+
+
+def _unauthorized(request: web.Request) -> web.Response | None:
+    active = request.app[STATE].active
     if active.identity.require_api_key and not active.identity.resolve(request.headers).authenticated:
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+    return None
+
+
+async def _engine_models(request: web.Request, engine: EngineState, rid: str) -> tuple[aiohttp.ClientResponse | None, bytes, web.Response | None]:
+    """``GET /v1/models`` of one engine: ``(response, body, None)``, or ``(None, b"",
+    error answer)``."""
     try:
-        upstream = await state.upstream.open("GET", "/v1/models", query=raw_query(request), request_id=rid)
+        upstream = await engine.client.open("GET", "/v1/models", query=raw_query(request), request_id=rid)
     except UpstreamError as e:
-        return error_response(e.status, e.message, code=e.code)
+        return None, b"", error_response(e.status, e.message, code=e.code)
     coding = content_coding(upstream.headers)
     if coding not in DECODED_CODINGS:
         upstream.close()
-        return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
+        return None, b"", error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
     try:
         body = await upstream.read()
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
-        return error_response(502, "the upstream failed while sending its answer", code="upstream_error")
+        return None, b"", error_response(502, "the upstream failed while sending its answer", code="upstream_error")
     upstream.release()
+    return upstream, body, None
+
+
+async def _catch_all_models(request: web.Request, rid: str) -> list[dict]:
+    """What the catch-all pool's engine lists (the first engine in rotation that answers
+    2xx), or ``[]``."""
+    state = request.app[STATE]
+    name = state.active.models.catch_all
+    pool = state.admission.pools.get(name) if name is not None else None
+    if pool is None:
+        return []
+    for e in list(pool.router.engines.values()):
+        if not e.in_rotation or e.client is None:
+            continue
+        upstream, body, _err = await _engine_models(request, e, rid)
+        if upstream is not None and 200 <= upstream.status < 300:
+            return parse_models_body(body)
+    return []
+
+
+async def _models(request: web.Request, rid: str) -> web.Response:
+    state = request.app[STATE]
+    if (denied := _unauthorized(request)) is not None:
+        return denied
+    table = state.active.models
+    if not table.single_upstream:
+        return web.json_response(table.models_list(await _catch_all_models(request, rid)))
+    upstream, body, err = await _engine_models(request, next(iter(state.admission.default.router.engines.values())), rid)
+    if err is not None:
+        return err
     headers = client_headers(upstream.headers, rid)
     if "Content-Type" not in headers:
         headers["Content-Type"] = "application/json"
     return web.Response(status=upstream.status, body=body, headers=headers)
+
+
+async def _model(request: web.Request, rid: str) -> web.Response:
+    state = request.app[STATE]
+    if (denied := _unauthorized(request)) is not None:
+        return denied
+    model_id = request.match_info["model"]
+    obj = state.active.models.model(model_id, await _catch_all_models(request, rid))
+    if obj is None:
+        return model_error(model_id)
+    return web.json_response(obj)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -360,21 +487,40 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """``GET /ready``: the upstream answers ``GET /v1/models`` (openai) or
-    ``GET /token_load`` (lightllm) with a 2xx; 503 otherwise."""
+    """``GET /ready``: 200 when some pool can serve now: one of its engines in rotation
+    answers its check (``GET /v1/models`` for openai engines, ``GET /token_load`` for
+    lightllm ones, or the pool's ``health.check_path``) with a 2xx; 503 otherwise, and
+    while shutting down. Any pool, not every pool: a replica that can serve some models
+    stays in its load balancer's rotation (a pool without engines answers its own
+    requests 503 at once). The body lists every pool's engines in rotation."""
     state = request.app[STATE]
     if state.draining:
         return error_response(503, "the proxy is shutting down", code="shutting_down")
-    path = "/token_load" if state.active.config.upstream.kind == "lightllm" else "/v1/models"
-    try:
-        upstream = await state.upstream.open("GET", path)
-    except UpstreamError as e:
-        return error_response(503, f"upstream not ready: {e.message}", code="upstream_not_ready")
-    status = upstream.status
-    upstream.close()
-    if status >= 300:
-        return error_response(503, f"upstream answered {status} on {path}", code="upstream_not_ready")
-    return web.json_response({"status": "ready", "upstream": state.active.config.upstream.url})
+    pools = {p.name: sum(e.in_rotation for e in p.router.engines.values()) for p in state.admission.pools.values()}
+    problems = []
+    for pool in state.admission.pools.values():
+        for e in list(pool.router.engines.values()):
+            if not e.in_rotation or e.client is None:
+                continue
+            path = check_path_for(pool.spec.health, e.kind)
+            try:
+                upstream = await e.client.open("GET", path)
+            except UpstreamError as err:
+                problems.append(f"{e.name}: {err.message}")
+                continue
+            status = upstream.status
+            upstream.close()
+            if status < 300:
+                return web.json_response({"status": "ready", "upstream": e.url, "pools": pools})
+            problems.append(f"{e.name}: answered {status} on {path}")
+    if not problems:
+        return error_response(503, "upstream not ready: no engine is in rotation", code="upstream_not_ready")
+    if len(problems) == 1 and state.active.models.single_upstream:
+        msg = problems[0].split(": ", 1)[1]
+        if msg.startswith("answered"):
+            return error_response(503, f"upstream {msg}", code="upstream_not_ready")
+        return error_response(503, f"upstream not ready: {msg}", code="upstream_not_ready")
+    return error_response(503, "upstream not ready: " + "; ".join(problems[:10]), code="upstream_not_ready")
 
 
 async def metrics(request: web.Request) -> web.Response:

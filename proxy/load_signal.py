@@ -24,7 +24,9 @@ Sources (LightLLM v1.2.0 ``lightllm/server/api_http.py:token_load``; docs/deploy
   signal. With ``enabled: auto`` polling stops until the ``upstream`` section changes;
   with ``enabled: true`` it is retried every 30 s, with one warning.
 
-Each fresh reading sets :meth:`qos.Scheduler.set_capacity_limit` (:func:`capacity_for`):
+Each engine is polled on its own (:class:`EnginePoller`); each fresh reading sets that
+engine's capacity limit in its pool's router (:func:`capacity_for`;
+:meth:`proxy.router.EngineState.set_load`), which the pool's scheduler sees at dispatch:
 
 * saturated: 1. Nothing new is dispatched as long as any of our requests is in flight,
   and one is when none is, so the proxy cannot deadlock behind an engine kept busy by
@@ -200,25 +202,26 @@ def source_of(upstream: UpstreamConfig) -> Source | None:
     return "token_load" if upstream.kind == "lightllm" else "metrics"
 
 
-class LoadSignal:
-    """The polling task of one proxy: reads the engine's load and sets the hold.
+class EnginePoller:
+    """The polling task of one engine: reads its load and sets its capacity limit in its
+    pool's router (:meth:`proxy.router.EngineState.set_load`).
 
     Args:
-        state: the proxy state; its active config is read at every poll, so a hot
-            reload of ``upstream`` (URL, ``load_signal``) applies at the next one.
-
-    :meth:`start` inside the running loop, :meth:`stop` on shutdown.
+        engine: the engine (:class:`proxy.router.EngineState`); its ``spec.upstream`` is
+            read at every poll, so a hot reload of its settings applies at the next one.
+        on_room: called with the engine when its limit was raised or lifted (the proxy
+            dispatches its pool's queue).
+        totals: the proxy-wide poll counts to add this engine's to.
 
     Attributes:
-        reading: the last reading, or ``None``.
-        reading_at: monotonic time of ``reading``.
-        saturated: whether the last fresh reading says the engine is saturated.
-        limit: the capacity limit set on the scheduler (``None``: ``max_inflight``).
-        no_signal: the upstream answered without a load signal (polling paused).
+        reading, reading_at, saturated, limit, no_signal, polls: as for :class:`LoadSignal`,
+            for this engine.
     """
 
-    def __init__(self, state: ProxyState, clock=time.monotonic) -> None:
-        self._state = state
+    def __init__(self, engine, on_room, totals: dict[str, int], clock=time.monotonic) -> None:
+        self.engine = engine
+        self._on_room = on_room
+        self._totals = totals
         self._clock = clock
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -231,17 +234,14 @@ class LoadSignal:
         self.limit: int | None = None
         self.no_signal = False
         self.polls = {"ok": 0, "error": 0, "no_signal": 0}
-        state.metrics.registry.register(_Collector(self))
-
-    # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         """Start polling (a no-op when already started)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="llm-qos load signal")
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"llm-qos load signal {self.engine.name}")
 
     async def stop(self) -> None:
-        """Stop polling, lift the hold, close the connection."""
+        """Stop polling, lift the limit, close the connection."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -251,19 +251,20 @@ class LoadSignal:
             self._session = None
         self._apply(None)
 
-    # ----------------------------------------------------------------- loop
+    def _count(self, result: str) -> None:
+        self.polls[result] += 1
+        self._totals[result] += 1
 
     async def _run(self) -> None:
         while True:
-            upstream = self._state.active.config.upstream
-            cfg = upstream.load_signal
-            delay = cfg.interval_s
+            upstream = self.engine.spec.upstream
+            delay = upstream.load_signal.interval_s
             try:
                 delay = await self._step(upstream)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let a bug here stop the proxy or freeze a hold
-                log.exception("load signal poll failed unexpectedly; holding nothing")
+                log.exception("load signal poll of %s failed unexpectedly; holding nothing", self.engine.name)
                 self._apply(None)
             await asyncio.sleep(delay)
 
@@ -283,32 +284,38 @@ class LoadSignal:
         source = source_of(upstream)
         now = self._clock()
         if source is None or now < self._paused_until:
-            self._apply(None)
+            self._apply(None, signal="off" if source is None else "no_signal")
             return cfg.interval_s
         delay = cfg.interval_s
         try:
             reading = await self.poll(upstream, source)
         except NoSignal as e:
-            self.polls["no_signal"] += 1
+            self._count("no_signal")
             self.reading, self.reading_at = None, -math.inf
             if not self.no_signal:
                 level = logging.INFO if cfg.enabled == "auto" else logging.WARNING
-                log.log(level, "upstream %s has no load signal (%s); admission uses max_inflight alone", upstream.url, e)
+                log.log(level, "engine %s has no load signal (%s); admission uses its max_inflight alone", upstream.url, e)
             self.no_signal = True
             self._paused_until = math.inf if cfg.enabled == "auto" else now + UNSUPPORTED_RETRY_S
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            self.polls["error"] += 1
+            self._count("error")
             self._error_streak += 1
             if self._error_streak == 3:
                 log.warning("load signal: cannot read the load of %s (%s); admission falls back to max_inflight once the last reading is stale", upstream.url, str(e) or type(e).__name__)
             delay = min(MAX_ERROR_BACKOFF_S, cfg.interval_s * 2 ** min(self._error_streak, 6))
         else:
-            self.polls["ok"] += 1
+            self._count("ok")
             self._error_streak = 0
             self.no_signal = False
             self.reading, self.reading_at = reading, self._clock()
         fresh = self.reading if self._clock() - self.reading_at <= cfg.stale_after_s else None
-        self._apply(fresh, cfg)
+        if self.no_signal:
+            signal = "no_signal"
+        elif self.reading is None:
+            signal = "waiting"
+        else:
+            signal = "ok" if fresh is not None else "stale"
+        self._apply(fresh, cfg, signal)
         return delay
 
     async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
@@ -341,20 +348,116 @@ class LoadSignal:
             return parse_token_load(body)
         return parse_prometheus(body.decode("utf-8", "replace"))
 
-    def _apply(self, fresh: Reading | None, cfg: LoadSignalConfig | None = None) -> None:
-        """Set the scheduler's capacity limit from a fresh reading (``None``: no limit)."""
-        sched = self._state.admission.scheduler
+    def _apply(self, fresh: Reading | None, cfg: LoadSignalConfig | None = None, signal: str | None = None) -> None:
+        """Set the engine's load and capacity limit from a fresh reading (``None``: none)."""
+        engine = self.engine
         saturated = fresh is not None and cfg is not None and is_saturated(fresh, cfg)
-        limit = capacity_for(fresh, cfg, len(sched.inflight)) if fresh is not None and cfg is not None else None
+        limit = capacity_for(fresh, cfg, engine.inflight) if fresh is not None and cfg is not None else None
         if saturated != self.saturated:
             self.saturated = saturated
             if saturated:
-                log.info("engine saturated (load %s, waiting %s): holding new admissions", fresh.load, fresh.waiting)
+                log.info("engine %s saturated (load %s, waiting %s): holding new admissions to it", engine.name, fresh.load, fresh.waiting)
             else:
-                log.info("engine no longer saturated (or its load is unknown)")
+                log.info("engine %s no longer saturated (or its load is unknown)", engine.name)
+        engine.set_load(
+            None if fresh is None else fresh.load, saturated, limit, waiting=None if fresh is None else fresh.waiting, signal=signal
+        )
         if limit != self.limit:
-            self.limit = limit
-            sched.set_capacity_limit(limit)  # one call: a lift dispatches up to the new limit only
+            old, self.limit = self.limit, limit
+            if limit is None or (old is not None and limit > old):
+                self._on_room(engine)  # room grew: dispatch the pool's queue
+
+
+class LoadSignal:
+    """The load pollers of one proxy: one :class:`EnginePoller` per engine of every pool,
+    kept in step with the config by :meth:`sync` (called after every reload).
+
+    Args:
+        state: the proxy state (its admission's pools list the engines).
+
+    :meth:`start` inside the running loop, :meth:`stop` on shutdown.
+
+    Attributes (those of the first engine, the only one in the single-``upstream`` form;
+    ``polls`` sums every engine's):
+        reading: the last reading, or ``None``.
+        reading_at: monotonic time of ``reading``.
+        saturated: whether the last fresh reading says the engine is saturated.
+        limit: the capacity limit set (``None``: ``max_inflight``).
+        no_signal: the upstream answered without a load signal (polling paused).
+    """
+
+    def __init__(self, state: ProxyState, clock=time.monotonic) -> None:
+        self._state = state
+        self._clock = clock
+        self._pollers: dict = {}
+        self._started = False
+        self.polls = {"ok": 0, "error": 0, "no_signal": 0}
+        state.metrics.registry.register(_Collector(self))
+        state.on_engines_synced.append(self.sync)
+
+    @property
+    def first(self) -> EnginePoller | None:
+        """The poller of the first engine of the first pool."""
+        for e in self._state.admission.default.router.engines.values():
+            return self._pollers.get(e)
+        return None
+
+    def poller(self, engine) -> EnginePoller | None:
+        """The poller of ``engine``, or ``None``."""
+        return self._pollers.get(engine)
+
+    @property
+    def reading(self) -> Reading | None:
+        p = self.first
+        return None if p is None else p.reading
+
+    @property
+    def reading_at(self) -> float:
+        p = self.first
+        return -math.inf if p is None else p.reading_at
+
+    @property
+    def saturated(self) -> bool:
+        p = self.first
+        return p is not None and p.saturated
+
+    @property
+    def limit(self) -> int | None:
+        p = self.first
+        return None if p is None else p.limit
+
+    @property
+    def no_signal(self) -> bool:
+        p = self.first
+        return p is not None and p.no_signal
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start polling every engine (a no-op when already started)."""
+        self._started = True
+        self.sync()
+
+    def sync(self) -> None:
+        """Poll exactly the engines of the pools now (draining ones stop being polled:
+        they get nothing new anyway)."""
+        if not self._started:
+            return
+        live = {e for _pool, e in self._state.admission.engines() if not e.draining}
+        for e in [e for e in self._pollers if e not in live]:
+            poller = self._pollers.pop(e)
+            asyncio.get_running_loop().create_task(poller.stop())
+        for e in live:
+            if e not in self._pollers:
+                poller = self._pollers[e] = EnginePoller(e, self._state.admission.dispatch, self.polls, self._clock)
+                poller.start()
+
+    async def stop(self) -> None:
+        """Stop polling, lift every hold, close the connections."""
+        self._started = False
+        pollers = list(self._pollers.values())
+        self._pollers.clear()
+        await asyncio.gather(*(p.stop() for p in pollers), return_exceptions=True)
 
 
 class _Collector(Collector):

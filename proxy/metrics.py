@@ -85,20 +85,32 @@ class LabelCache(Generic[M]):
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, scheduler: Callable[[], Scheduler], clock: Callable[[], float]) -> None:
-        self._scheduler = scheduler
+    """The schedulers' state, summed over the pools (one scheduler per pool)."""
+
+    def __init__(self, schedulers: Callable[[], Scheduler | Iterable[Scheduler]], clock: Callable[[], float]) -> None:
+        self._schedulers = schedulers
         self._clock = clock
 
     def collect(self):
-        s = self._scheduler()
+        got = self._schedulers()
+        scheds = [got] if isinstance(got, Scheduler) else list(got)
+        s = scheds[0]
+        now = self._clock()
+        depths: dict[str, int] = {}
+        oldest_by: dict[str, float] = {}
+        for x in scheds:
+            for name, n in x.queue_depths().items():
+                depths[name] = depths.get(name, 0) + n
+            for name, age in oldest_waits(x, now).items():
+                oldest_by[name] = max(oldest_by.get(name, 0.0), age)
         depth = GaugeMetricFamily("llm_qos_queue_depth", "Requests waiting for admission, per group.", labels=["group"])
-        for name, n in s.queue_depths().items():
+        for name, n in depths.items():
             depth.add_metric([name], n)
         yield depth
         oldest = GaugeMetricFamily(
             "llm_qos_queue_oldest_wait_seconds", "How long the oldest request waiting in each group has waited (0 when none waits).", labels=["group"]
         )
-        for name, age in oldest_waits(s, self._clock()).items():
+        for name, age in oldest_by.items():
             oldest.add_metric([name], age)
         yield oldest
         floor = GaugeMetricFamily("llm_qos_group_min_share", "Each group's configured min_share (fraction of dispatched cost it is guaranteed while it waits).", labels=["group"])
@@ -111,11 +123,13 @@ class _SchedulerCollector(Collector):
         weight.add_metric(["prompt"], s.policy.cost.input_weight)
         weight.add_metric(["completion"], s.policy.cost.output_weight)
         yield weight
-        yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=len(s.inflight))
-        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + reserved output) of requests in flight.", value=s.inflight_tokens)
-        yield GaugeMetricFamily("llm_qos_users_tracked", "Users whose fair-share state the scheduler keeps now.", value=s.users_tracked)
+        yield GaugeMetricFamily("llm_qos_inflight_requests", "Requests dispatched upstream and not yet finished.", value=sum(len(x.inflight) for x in scheds))
+        yield GaugeMetricFamily("llm_qos_inflight_tokens", "Reserved tokens (prompt + reserved output) of requests in flight.", value=sum(x.inflight_tokens for x in scheds))
+        yield GaugeMetricFamily("llm_qos_users_tracked", "Users whose fair-share state the scheduler keeps now (summed over pools).", value=sum(x.users_tracked for x in scheds))
         yield CounterMetricFamily(
-            "llm_qos_users_forgotten", "Users whose fair-share state was forgotten (idle past admission.forget_users_after_s, or beyond admission.max_users).", value=s.users_forgotten
+            "llm_qos_users_forgotten",
+            "Users whose fair-share state was forgotten (idle past admission.forget_users_after_s, or beyond admission.max_users).",
+            value=sum(x.users_forgotten for x in scheds),
         )
 
 
@@ -186,7 +200,8 @@ class Metrics:
     """The proxy's metrics in their own registry (so several apps can live in one process).
 
     Args:
-        scheduler: returns the live scheduler (read at scrape time).
+        scheduler: returns the live scheduler, or the schedulers of every pool (read at
+            scrape time; queue depths and counts are summed over them).
         groups: the configured group names; their zero series are created at once.
         clock: the scheduler's clock (monotonic seconds), for queue ages.
 
@@ -195,7 +210,7 @@ class Metrics:
     ``.labels(...)`` as on the metric; ``.metric`` is the metric itself).
     """
 
-    def __init__(self, scheduler: Callable[[], Scheduler], groups: Iterable[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, scheduler: Callable[[], Scheduler | Iterable[Scheduler]], groups: Iterable[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = LabelCache(Counter("llm_qos_requests", "Requests finished, by group and outcome.", ["group", "outcome"], registry=r))
         self.rejections = LabelCache(Counter("llm_qos_rejections", "Requests refused admission, by group and reason.", ["group", "reason"], registry=r))

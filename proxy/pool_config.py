@@ -32,11 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CATCH_ALL = "*"
 #: Name of the pool the single-upstream form (and ``llm-qos up --engines N``) makes.
 DEFAULT_POOL = "default"
-#: Phase 1 of issue #12 defines, validates and tests pools; admission and the relay do not
-#: route through them yet. Until they do, a proxy refuses to *serve* a config with ``pools``
-#: (``check-config`` still validates it) rather than send its requests to the default
-#: ``upstream.url``. Phase 2 wires pools in and removes this switch.
-SERVING_POOLS = False
+#: Whether this build serves configs with ``pools`` (it does since phase 2 of issue #12;
+#: kept so that a build can switch pools off again).
+SERVING_POOLS = True
 
 _HTTP_TOKEN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # RFC 9110 token: a header field name
 _POOL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

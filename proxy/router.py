@@ -11,9 +11,13 @@ comes from :mod:`proxy.engine_health`, load readings from whoever polls them.
 
 Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max output):
 
-* **capacity** ``cap(e) = min(max_inflight, limit)``, where ``limit`` is the capacity
-  limit the engine's load signal sets (:func:`proxy.load_signal.capacity_for`: 1 while it
-  reports itself saturated), or ``max_inflight`` alone when there is none.
+* **capacity** ``cap(e) = min(max_inflight, limit, lease)``, where ``limit`` is the
+  capacity limit the engine's load signal sets (:func:`proxy.load_signal.capacity_for`: 1
+  while it reports itself saturated; absent when there is none), and ``lease`` is this
+  process's part of the engine when several replicas share it (granted through Redis:
+  :mod:`proxy.capacity_leases`; absent standalone). A lease may be 0, and a token lease
+  caps ``inflight_tokens + t`` with no idle-engine exception: another replica's requests
+  may be running there.
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
 * **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
   ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens`` or
@@ -91,6 +95,7 @@ class EngineState:
         load_signal: the poller's state for it, as the dashboard shows it (``off``,
             ``waiting``, ``ok``, ``stale``, ``no_signal``).
         routed: requests placed on it since start (a metric).
+        client: its connections (a :class:`proxy.upstream.Upstream`), set by the proxy.
     """
 
     spec: EngineSpec
@@ -104,6 +109,9 @@ class EngineState:
     capacity_limit: int | None = None
     load_signal: str = "off"
     routed: int = 0
+    client: Any = field(default=None, repr=False)
+    lease_slots: int | None = None
+    lease_tokens: int | None = None
     _wrr: float = field(default=0.0, repr=False)
 
     @property
@@ -115,10 +123,34 @@ class EngineState:
         return self.spec.url
 
     @property
+    def kind(self) -> str:
+        """``openai`` or ``lightllm``."""
+        return self.spec.kind
+
+    @property
+    def max_inflight(self) -> int:
+        """Its configured capacity in requests."""
+        return self.spec.max_inflight
+
+    @property
+    def max_inflight_tokens(self) -> int | None:
+        """Its configured capacity in reserved tokens, or ``None``."""
+        return self.spec.max_inflight_tokens
+
+    @property
     def capacity(self) -> int:
-        """Requests it may run now: ``max_inflight``, lowered by the load signal's limit."""
+        """Requests it may run now: ``max_inflight``, lowered by the load signal's limit
+        and by this process's lease (the only thing that can make it 0)."""
         limit = self.capacity_limit
-        return self.spec.max_inflight if limit is None else max(1, min(limit, self.spec.max_inflight))
+        cap = self.spec.max_inflight if limit is None else max(1, min(limit, self.spec.max_inflight))
+        return cap if self.lease_slots is None else min(cap, self.lease_slots)
+
+    def set_lease(self, slots: int | None, tokens: int | None) -> None:
+        """This process's part of the engine, in requests and reserved tokens (``None``:
+        the engine is this process's alone), as granted by the shared state
+        (:mod:`proxy.capacity_leases`). Lowering it lets the surplus finish; after raising
+        it, the pool's scheduler must dispatch."""
+        self.lease_slots, self.lease_tokens = slots, tokens
 
     @property
     def in_rotation(self) -> bool:
@@ -129,6 +161,8 @@ class EngineState:
         """Whether a request reserving ``tokens`` may be placed here now (module docstring)."""
         if not self.in_rotation or self.inflight >= self.capacity:
             return False
+        if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
+            return False
         cap = self.spec.max_inflight_tokens
         return cap is None or self.inflight == 0 or self.inflight_tokens + tokens <= cap
 
@@ -136,7 +170,7 @@ class EngineState:
         """``h(e, t)`` of the module docstring: the fraction left free once ``placed``
         requests reserving ``tokens`` in all are added (``placed=0``: free now). At most
         1; below 0 when over a limit."""
-        h = 1.0 - (self.inflight + placed) / self.capacity
+        h = 1.0 - (self.inflight + placed) / max(1, self.capacity)
         cap = self.spec.max_inflight_tokens
         if cap is not None:
             h = min(h, 1.0 - (self.inflight_tokens + tokens) / cap)
@@ -250,6 +284,13 @@ def rendezvous_order(key: str, engines: Iterable[EngineState]) -> list[EngineSta
     return sorted(engines, key=score, reverse=True)
 
 
+def _within_lease(e: EngineState, tokens: int) -> bool:
+    """Whether one more request of ``tokens`` stays within ``e``'s lease (if it has one)."""
+    if e.lease_slots is not None and e.inflight >= e.lease_slots:
+        return False
+    return e.lease_tokens is None or e.inflight_tokens + tokens <= e.lease_tokens
+
+
 class PoolRouter:
     """The engines of one pool and the choice among them (module docstring).
 
@@ -333,7 +374,9 @@ class PoolRouter:
 
     # ---------------------------------------------------------------- choice
 
-    def choose(self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True) -> EngineState | None:
+    def choose(
+        self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True, over: bool = False
+    ) -> EngineState | None:
         """The engine for a request reserving ``tokens``, or ``None`` when none fits.
 
         Args:
@@ -341,8 +384,15 @@ class PoolRouter:
             key: affinity key (:func:`affinity_key`), or ``None``.
             exclude: engines not to choose (already tried for this request).
             commit: advance the policy's rotation (False for a mere "is there one?").
+            over: when no engine fits, take the engine in rotation with the most headroom
+                even if it is full (a request already dispatched whose engine failed
+                before it was sent: :meth:`reroute`), but never past a lease: a lease is
+                this replica's part of an engine other replicas also fill.
         """
         cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens)]
+        if not cands and over:
+            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and _within_lease(e, tokens)]
+            return max(rest, key=lambda e: e.headroom(tokens), default=None)
         if not cands:
             return None
         if self.routing.policy == "round_robin":
@@ -429,16 +479,19 @@ class PoolRouter:
         placed = self._placed.get(ticket)
         return placed[0] if placed is not None else None
 
-    def reroute(self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None) -> EngineState | None:
+    def reroute(
+        self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None, over: bool = False
+    ) -> EngineState | None:
         """Move ``ticket`` to another engine (its request never reached the one it was
         on): frees its place, then places it on the engine :meth:`choose` picks among
-        those not in ``exclude`` and not the one it leaves. Returns the new engine, or
-        ``None`` (then it is placed nowhere and the caller answers the client)."""
+        those not in ``exclude`` and not the one it leaves (``over``: see :meth:`choose`).
+        Returns the new engine, or ``None`` (then it is placed nowhere and the caller
+        answers the client)."""
         old = self.release(ticket)
         skip = set(exclude)
         if old is not None:
             skip.add(old)
-        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip)
+        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip, over=over)
         if engine is not None:
             self._place(ticket, engine)
         return engine
@@ -483,3 +536,80 @@ class PoolRouter:
     def snapshot(self) -> list[dict]:
         """Every engine's :meth:`EngineState.status`, config order."""
         return [e.status() for e in self.engines.values()]
+
+
+class PoolCapacity:
+    """A pool's engines as the scheduler's :class:`qos.capacity.Capacity`: the seam
+    between one pool's :class:`qos.Scheduler` and its :class:`PoolRouter`.
+
+    ``fits(tokens)``: some engine in rotation has room (:meth:`PoolRouter.choose`);
+    ``reserve(ticket)``: place it on the chosen engine and set ``ticket.placement`` to
+    that :class:`EngineState` (bind late); ``release(ticket)``: free its place.
+    ``slots``: the requests the engines may run now, together (an engine out of rotation
+    counts only what still runs there), so the scheduler's "is there room at all?" test
+    stays exact. ``admissible(tokens)``: some engine of the pool (draining ones aside)
+    could ever take a request that large (its ``max_inflight_tokens``; one request always
+    fits an idle engine, as before pools, so only a token cap refuses).
+
+    Args:
+        router: the pool's router.
+        affinity_of: the affinity key of a ticket being placed, or ``None``.
+    """
+
+    def __init__(self, router: PoolRouter, affinity_of: Callable[[Any], str | None] | None = None) -> None:
+        self.router = router
+        if affinity_of is not None:
+            router.affinity_of = affinity_of
+
+    def configure(self, policy: Any) -> None:
+        """Nothing: a pool's limits are its engines' (``pools[].engines[]``, or
+        ``admission.max_inflight`` / ``max_inflight_tokens`` for the single upstream),
+        applied by :meth:`PoolRouter.reconfigure`."""
+
+    @property
+    def max_inflight_tokens(self) -> int | None:
+        """The largest engine token cap (``None`` when some engine has none): what the
+        scheduler names when it refuses a request as too large."""
+        caps = [e.spec.max_inflight_tokens for e in self.router.engines.values() if not e.draining]
+        return None if not caps or None in caps else max(caps)
+
+    @property
+    def slots(self) -> int:
+        return sum(e.capacity if e.in_rotation else e.inflight for e in self.router.engines.values())
+
+    @property
+    def inflight(self) -> int:
+        return self.router.inflight
+
+    @property
+    def inflight_tokens(self) -> int:
+        return sum(e.inflight_tokens for e in self.router.engines.values())
+
+    def set_limit(self, limit: int | None) -> None:
+        """Set every engine's load-signal capacity limit (``None`` lifts it); the load
+        signal sets each engine's own limit through :meth:`EngineState.set_load`.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
+        for e in self.router.engines.values():
+            e.capacity_limit = limit
+
+    def admissible(self, tokens: int) -> bool:
+        engines = [e for e in self.router.engines.values() if not e.draining]
+        return not engines or any(e.spec.max_inflight_tokens is None or tokens <= e.spec.max_inflight_tokens for e in engines)
+
+    def fits(self, tokens: int) -> bool:
+        return self.router.choose(tokens, commit=False) is not None
+
+    def reserve(self, ticket: Any) -> bool:
+        try:
+            ticket.placement = self.router.reserve(ticket)
+        except NoEngineFits:
+            return False
+        return True
+
+    def release(self, ticket: Any) -> None:
+        self.router.release(ticket)

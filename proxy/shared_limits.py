@@ -22,7 +22,7 @@ What a client sees is unchanged: 429 with ``Retry-After``, and ``error.scope`` /
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from qos import RefusalReason, Refused, Scheduler, Ticket
 
@@ -67,15 +67,17 @@ class SharedRateLimiter:
             self.shared.settle_rate(res, tokens_used)
 
 
-async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, submit: dict[str, Any]) -> Ticket:
+async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, request: dict[str, Any], submit: Callable[[], Ticket]) -> Ticket:
     """Reserve the request's rate limits in the shared state, then submit it.
 
     Args:
         scheduler: the scheduler whose ``rate_limiter`` is ``limiter``.
         limiter: the scheduler's :class:`SharedRateLimiter`.
-        submit: the keyword arguments of :meth:`qos.Scheduler.submit` (``user_id``,
-            ``group``, ``prompt_tokens``, ``max_output_tokens``, ``choices``,
-            ``output_ceiling``).
+        request: the request as :meth:`qos.Scheduler.rate_request` takes it
+            (``user_id``, ``group``, ``prompt_tokens``, ``max_output_tokens``,
+            ``choices``, ``output_ceiling``).
+        submit: submits it (``scheduler.submit(...)`` with those arguments), called once,
+            synchronously, after the take.
 
     Returns:
         The ticket (ADMITTED or QUEUED), as ``submit`` returns it.
@@ -89,8 +91,8 @@ async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, s
     if scheduler.closed:
         raise Refused(RefusalReason.SHUTDOWN, 1.0, "the server is shutting down")
     up, gpol, tokens = scheduler.rate_request(
-        submit["user_id"], submit["group"], submit["prompt_tokens"], submit["max_output_tokens"],
-        choices=submit.get("choices", 1), output_ceiling=submit.get("output_ceiling"),
+        request["user_id"], request["group"], request["prompt_tokens"], request["max_output_tokens"],
+        choices=request.get("choices", 1), output_ceiling=request.get("output_ceiling"),
     )  # fmt: skip
     try:
         res = await limiter.shared.reserve_rate(up.user_id, gpol.name, up.limits, gpol.limits, tokens)
@@ -100,7 +102,7 @@ async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, s
         raise Refused(RefusalReason.RATE_LIMITED, e.retry_after_s, f"rate limit exceeded: the {limit} of {whose}", scope=e.scope, limit=limit) from None
     limiter.handed = res
     try:
-        return scheduler.submit(**submit)
+        return submit()
     except BaseException:
         if limiter.handed is res:  # refused before the scheduler took it
             limiter.shared.refund_rate(res)

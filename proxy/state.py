@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
+from . import engine_metrics
 from .admission import Admission
-from .capacity_leases import BoundPool, LeaseBinding, LocalEngine
+from .capacity_leases import BoundPool, LeaseBinding
 from .config import Config, ConfigError, with_upstream_urls
+from .engine_health import HealthChecker
 from .identity import IdentityResolver
 from .metrics import Metrics, SharedStateCollector
-from .pool_config import resolve_pools, unserved
+from .model_routing import ModelTable
+from .pool_config import unserved
+from .router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .shared_limits import SharedRateLimiter
 from .upstream import Upstream
+
+log = logging.getLogger("llm_qos.proxy")
 
 
 @dataclass(slots=True)
@@ -26,11 +34,13 @@ class ActiveConfig:
         identity: resolver built from it.
         digest: short SHA-256 of the file's bytes ("" when not from a file).
         loaded_at: wall-clock time (Unix seconds) it became active.
+        models: its model table (which pool serves which ``model``).
     """
 
     config: Config
     identity: IdentityResolver
     digest: str = ""
+    models: ModelTable = None  # type: ignore[assignment]
     loaded_at: float = field(default_factory=time.time)
 
 
@@ -66,20 +76,26 @@ class ProxyState:
         self.upstream_override = upstream_override
         self.worker = worker
         config = self._prepare(config)
-        self.active = ActiveConfig(config, IdentityResolver(config), digest)
+        pools = config.effective_pools()
+        self.active = ActiveConfig(config, IdentityResolver(config), digest, models=ModelTable(pools))
         self.config_path = config_path
         # shared with the other replicas through Redis, or standalone; fixed for the
         # process's lifetime (a changed shared_state section takes effect at restart)
         self.shared = create_shared_state(config.shared_state, worker[1] if worker else 1)
         standalone = isinstance(self.shared, StandaloneState)
-        self.admission = Admission(config.to_policy(), shared_limits=None if standalone else SharedRateLimiter(self.shared))
+        self.admission = Admission(config.to_policy(), pools, rate_limiter=None if standalone else SharedRateLimiter(self.shared))
+        self.admission.on_engine_removed = self._engine_removed
         self.leases: LeaseBinding | None = None
         if not standalone:
             self.admission.on_wait = self.shared.request_sync
             self.leases = LeaseBinding(self.shared, self._bound_pools)
-        self.metrics = Metrics(lambda: self.admission.scheduler, (g.name for g in config.groups))
+        self.metrics = Metrics(lambda: [p.scheduler for p in self.admission.all_pools()], (g.name for g in config.groups))
+        engine_metrics.register(self.metrics.registry, self.admission.routers)
         self.metrics.registry.register(SharedStateCollector(self.shared, self._lease_keys))
-        self.upstream: Upstream | None = None  # created on startup, inside the loop
+        self.health: HealthChecker | None = None  # created on startup, inside the loop
+        self.started = False
+        self.on_engines_synced: list = []  # called (no arguments) after every sync_engines
+        self._closing: set[asyncio.Task] = set()
         self.last_error: str | None = None
         self.draining = False
         self.open_requests = 0  # client requests being handled now
@@ -89,11 +105,9 @@ class ProxyState:
         return _servable(with_upstream_urls(config, self.upstream_override))
 
     def _bound_pools(self) -> list[BoundPool]:
-        """The pools the capacity leases bind (the single-upstream form: one pool, one
-        engine, named as :func:`proxy.pool_config.resolve_pools` names them)."""
-        pool = resolve_pools(self.active.config)[0]
-        engine = LocalEngine(pool.engines[0].name, self.admission.scheduler.capacity_model)
-        return [BoundPool(pool.name, self.admission.scheduler, lambda: (engine,))]
+        """The pools the capacity leases bind: every pool's scheduler and engines
+        (retired pools and draining engines too, while they have requests in flight)."""
+        return [BoundPool(p.name, p.scheduler, p.router.engines.values, _placement) for p in self.admission.all_pools()]
 
     def _lease_keys(self) -> list[str]:
         """The capacity keys this process leases (for the metrics: their series exist
@@ -113,19 +127,83 @@ class ProxyState:
         config = self._prepare(config)
         policy = config.to_policy()
         identity = IdentityResolver(config)
-        self.admission.update_policy(policy)
+        pools = config.effective_pools()
+        models = ModelTable(pools)
+        self.admission.reconfigure(policy, pools)
         self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
-        if self.upstream is not None:
-            self.upstream.reconfigure(config.upstream)
-        self.active = ActiveConfig(config, identity, digest)
+        self.sync_engines()
+        self.active = ActiveConfig(config, identity, digest, models=models)
         self.last_error = None
         if self.leases is not None:
             self.leases.rebind()  # an engine renamed or re-sized: its lease follows
 
+    # ---------------------------------------------------------------- engines
+
+    @property
+    def upstream(self) -> Upstream | None:
+        """The first engine's connections (the only engine of the single-``upstream``
+        form), or ``None`` before startup."""
+        for e in self.admission.default.router.engines.values():
+            return e.client
+        return None
+
+    def start(self) -> None:
+        """Open every engine's connections and start the health checks (inside the
+        running loop, at startup)."""
+        self.health = HealthChecker(on_checked=self.admission.engine_checked)
+        self.started = True
+        self.sync_engines()
+
+    def sync_engines(self) -> None:
+        """Give every engine its :class:`proxy.upstream.Upstream` (new ones a fresh pool
+        of connections, kept ones their new settings) and watch the health of the
+        engines of pools that track it (:attr:`proxy.admission.Pool.tracks_health`)."""
+        if not self.started:
+            return
+        watched = []
+        for pool, e in self.admission.engines():
+            if e.client is None:
+                e.client = Upstream(e.spec.upstream)
+            elif e.client.config is not e.spec.upstream:
+                e.client.reconfigure(e.spec.upstream)
+            if pool.tracks_health and not e.draining:
+                watched.append(e)
+        if self.health is not None:
+            self.health.sync(watched)
+        for hook in self.on_engines_synced:
+            hook()
+
+    def _engine_removed(self, engine: EngineState) -> None:
+        """An engine left its pool (drained): stop checking it, close its connections."""
+        if self.health is not None:
+            self.health.unwatch(engine)
+        client, engine.client = engine.client, None
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        log.info("engine %s (%s) left pool %s", engine.name, engine.url, engine.spec.pool)
+
+    async def close(self) -> None:
+        """Stop the health checks and close every engine's connections (at cleanup)."""
+        if self.health is not None:
+            await self.health.close()
+        for _pool, e in list(self.admission.engines()):
+            if e.client is not None:
+                await e.client.close()
+                e.client = None
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _placement(ticket) -> EngineState | None:
+    """The engine a ticket in flight is on (bound at dispatch)."""
+    return ticket.placement
+
 
 def _servable(config: Config) -> Config:
-    """``config``, or ConfigError when this build cannot serve it (pools, until the
-    second phase of issue #12 wires them in)."""
+    """``config``, or ConfigError when this build cannot serve it
+    (:func:`proxy.pool_config.unserved`)."""
     reason = unserved(config)
     if reason is not None:
         raise ConfigError(reason)

@@ -1,6 +1,7 @@
 """The upstream connection pool and how one request is opened on it.
 
-One pooled ``aiohttp.ClientSession`` per proxy process. It keeps no cookies (an
+One pooled ``aiohttp.ClientSession`` per engine (each engine of each pool has its own
+:class:`Upstream`: its connections, its credential). It keeps no cookies (an
 upstream's ``Set-Cookie`` must never be replayed on another user's request). It asks
 for ``Accept-Encoding: identity`` (the relay reads every stream to count tokens and see
 how it ends); an upstream that compresses anyway is decoded (gzip, deflate; br and zstd
@@ -16,8 +17,9 @@ a second generation. What keeps a pooled connection from going stale under a req
 aiohttp reuses only connections whose close it has not seen, and never one idle longer
 than ``upstream.keepalive_timeout_s``, which is kept below the engines' own idle timeout
 (uvicorn's 5 s: vLLM, SGLang, transformers serve, LightLLM 0.0.1; LightLLM v1.2.0's hypercorn: 10 s). A connect failure
-(nothing sent) is answered 502 at once: the engine is down, and retrying it at once
-rarely helps.
+(nothing sent, :attr:`UpstreamError.unsent`) is never retried on the same engine: the
+handler sends the request to another engine of its pool when there is one
+(:meth:`proxy.admission.Admission.reroute`), else answers 502 at once.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ class UpstreamError(Exception):
         code: a stable error code (``upstream_unreachable``, ``upstream_timeout``, ...).
         aborted: the request had been sent and its connection was closed under it (the
             engine may have started, and now aborts, a generation).
+        unsent: no connection was made, so no byte of the request left the proxy (the
+            connection was refused, or not made within ``connect_timeout_s``): it may be
+            sent to another engine. Every other failure may have reached the engine and
+            is never sent again.
     """
 
-    def __init__(self, status: int, code: str, message: str, aborted: bool = False) -> None:
+    def __init__(self, status: int, code: str, message: str, aborted: bool = False, unsent: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.aborted = aborted
+        self.unsent = unsent
 
 
 class Upstream:
@@ -158,12 +165,12 @@ class Upstream:
             async with asyncio.timeout(config.first_byte_timeout_s):
                 return await self.session.request(method, url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout)
         except aiohttp.ConnectionTimeoutError:
-            raise UpstreamError(504, "upstream_timeout", f"no connection to the upstream within {config.connect_timeout_s:g} s") from None
+            raise UpstreamError(504, "upstream_timeout", f"no connection to the upstream within {config.connect_timeout_s:g} s", unsent=True) from None
         except TimeoutError:
             waited = min(config.first_byte_timeout_s, config.idle_timeout_s)
             raise UpstreamError(504, "upstream_timeout", f"the upstream sent no response within {waited:g} s", aborted=True) from None
         except aiohttp.ClientConnectorError as e:
-            raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}") from None
+            raise UpstreamError(502, "upstream_unreachable", f"cannot connect to the upstream: {e.os_error or e}", unsent=True) from None
         except aiohttp.ClientResponseError as e:
             # the parser's first line only: the rest echoes the upstream's bytes
             reason = str(e.message).splitlines()[0][:200] if e.message else type(e).__name__

@@ -27,6 +27,7 @@ class RefusalReason(enum.Enum):
     CANCELLED = "client_cancelled"
     SHUTDOWN = "shutting_down"
     TOO_LARGE = "request_too_large"  # its reservation can never fit max_inflight_tokens
+    NO_ENGINE = "no_healthy_engine"  # no engine of its pool is in rotation (raised by the capacity's owner)
 
 
 class Refused(Exception):
