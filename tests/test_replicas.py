@@ -266,3 +266,38 @@ async def test_a_take_is_refunded_when_the_request_never_reaches_the_engine(aioh
             assert sorted(o[0] for o in out) == [200, 200, 200, 200, 429]
     finally:
         reps.stop()
+
+
+async def test_each_engine_of_a_pool_is_leased_on_its_own(aiohttp_server, redis_server):
+    """A pool of two engines (capacities 2 and 4) behind three replicas: each engine never
+    runs more than its own capacity, and both are used."""
+    from bench.scripted_engine import make_app as engine_app
+
+    small, big = await aiohttp_server(engine_app("small", itl_s=0.01)), await aiohttp_server(engine_app("big", itl_s=0.01))
+    cfg = replica_config("http://unused", redis_server.url, "pool", GROUPS)
+    del cfg["upstream"]["url"]
+    cfg["pools"] = [
+        {
+            "name": "p",
+            "models": ["*"],
+            "engines": [
+                {"url": str(small.make_url("")).rstrip("/"), "name": "small", "max_inflight": 2},
+                {"url": str(big.make_url("")).rstrip("/"), "name": "big", "max_inflight": 4},
+            ],
+        }
+    ]
+    settled(redis_server.url, "pool")
+    reps = Replicas().start([cfg] * 3)
+    try:
+        async with aiohttp.ClientSession() as s:
+            st = await wait_all(s, reps.urls, lambda st: st["mode"] == "shared" and len(st["grants"]) == 2, 20, "every replica in sync")
+            assert set(st[0]["grants"]) == {"p/small:slots", "p/big:slots"}
+            rng = random.Random(6)
+            results: list = []
+            await asyncio.gather(*(_closed_loop(s, reps.urls, "carl", "b", 6, rng, results, n=8) for _ in range(18)))
+            assert [r[1] for r in results] == [200] * 108
+            ss, bs = small.app[STATS], big.app[STATS]
+            assert ss.max_active <= 2 and bs.max_active <= 4
+            assert ss.started > 0 and bs.started > 0 and ss.started + bs.started == 108
+    finally:
+        reps.stop()
