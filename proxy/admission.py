@@ -117,6 +117,8 @@ class Admission:
             :class:`qos.RateLimiter` of ``2 * policy.max_users + 64`` buckets, resized with
             the policy); a :class:`proxy.shared_limits.SharedRateLimiter` reserves them in
             the shared state (Redis) before each submit.
+        leased: the engines' capacity is leased through a shared state
+            (:mod:`proxy.capacity_leases`): a new engine takes nothing before its lease.
 
     Attributes:
         clock: the schedulers' clock.
@@ -137,8 +139,10 @@ class Admission:
         pools: Sequence[PoolSpec],
         clock=time.monotonic,
         rate_limiter: RateLimiter | None = None,
+        leased: bool = False,
     ) -> None:
         self._clock = self.clock = clock
+        self.leased = leased
         self._owns_limiter = rate_limiter is None
         self.rate_limiter = rate_limiter if rate_limiter is not None else RateLimiter(max_buckets=2 * policy.max_users + 64)
         self.policy = policy
@@ -152,7 +156,7 @@ class Admission:
     # ------------------------------------------------------------------ pools
 
     def _new_pool(self, spec: PoolSpec, policy: SchedulerPolicy) -> Pool:
-        router = PoolRouter(spec, clock=self._clock)
+        router = PoolRouter(spec, clock=self._clock, leased=self.leased)
         capacity = PoolCapacity(router, self._affinity_of)
         scheduler = Scheduler(
             policy, clock=self._clock, on_admit=self._wake, on_refuse=self._refuse, rate_limiter=self.rate_limiter, capacity=capacity

@@ -300,6 +300,9 @@ class PoolRouter:
         rng: float in [0, 1) (ejection jitter).
         affinity_of: returns the affinity key of a ticket given to :meth:`reserve`
             without one (see :func:`affinity_key`); default: none.
+        leased: the engines are shared with other replicas through leases
+            (:mod:`proxy.capacity_leases`): an engine added here starts with a lease of 0
+            until one is granted.
 
     Attributes:
         name: the pool's name.
@@ -314,8 +317,10 @@ class PoolRouter:
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] = random.random,
         affinity_of: Callable[[Any], str | None] | None = None,
+        leased: bool = False,
     ) -> None:
         self.name = pool.name
+        self.leased = leased
         self._clock = clock
         self._rng = rng
         self.affinity_of = affinity_of or (lambda _t: None)
@@ -340,6 +345,8 @@ class PoolRouter:
             e = self.engines.get(spec.name)
             if e is None:
                 e = EngineState(spec, EngineHealth(pool.health, spec.name, self._clock, self._rng))
+                if self.leased:  # nothing goes there before this replica's lease is granted
+                    e.set_lease(0, 0 if spec.max_inflight_tokens is not None else None)
                 added.append(spec.name)
             else:
                 if (e.spec.url, e.spec.kind) != (spec.url, spec.kind):

@@ -83,7 +83,7 @@ class ProxyState:
         # process's lifetime (a changed shared_state section takes effect at restart)
         self.shared = create_shared_state(config.shared_state, worker[1] if worker else 1)
         standalone = isinstance(self.shared, StandaloneState)
-        self.admission = Admission(config.to_policy(), pools, rate_limiter=None if standalone else SharedRateLimiter(self.shared))
+        self.admission = Admission(config.to_policy(), pools, rate_limiter=None if standalone else SharedRateLimiter(self.shared), leased=not standalone)
         self.admission.on_engine_removed = self._engine_removed
         self.leases: LeaseBinding | None = None
         if not standalone:
