@@ -21,12 +21,12 @@ order), and the proxies (``python -m proxy proxy``). Measured:
      clients on replica 0 only): the heavy user's share of the tokens served in every
      window of ``--window`` seconds (its weight share is 0.75);
    - rate limits: a user limited to 30 requests per minute sends 150 at once, spread at
-     random, then (after the bucket refills... in a fresh deployment) all to one replica:
-     requests served. The baseline is shown split (10 per replica) and unsplit (30 each,
-     as peers that keep counters per instance do).
+     random; then, in a fresh deployment (full buckets), all to one replica: requests
+     served. The baseline is shown split (10 per replica) and unsplit (30 each, as peers
+     that keep counters per instance do).
 
-    python -m bench.replicas            # about 4 minutes on 2 cores
-    python -m bench.replicas --quick    # about 1.5 minutes
+    python -m bench.replicas            # about 12 minutes on 2 cores (30 s windows)
+    python -m bench.replicas --quick    # about 3 minutes (10 s windows)
 """
 
 from __future__ import annotations
