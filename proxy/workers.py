@@ -41,12 +41,13 @@ def _part(total: int, workers: int, index: int) -> int:
 
 def split_for_worker(config: Config, workers: int, index: int) -> Config:
     """``config`` as worker ``index`` of ``workers`` enforces it: ``admission.max_inflight``,
-    ``max_inflight_tokens``, ``max_queue``, every group's ``max_queue`` and every rate limit
-    divided among the workers (integer parts add up to the total exactly).
+    ``max_inflight_tokens``, ``max_queue``, every group's ``max_queue``, every rate limit and
+    every pool engine's own ``max_inflight`` / ``max_inflight_tokens`` divided among the
+    workers (integer parts add up to the total exactly).
 
     Raises:
-        ValueError: ``admission.max_inflight`` (or ``max_inflight_tokens``) is smaller
-            than ``workers``: some worker would get no capacity at all.
+        ValueError: ``admission.max_inflight`` (or ``max_inflight_tokens``, or an engine's)
+            is smaller than ``workers``: some worker would get no capacity at all.
     """
     if workers <= 1:
         return config
@@ -79,7 +80,24 @@ def split_for_worker(config: Config, workers: int, index: int) -> Config:
         )
         for g in config.groups
     ]
-    return config.model_copy(update={"admission": admission, "groups": groups})
+    pools = None
+    if config.pools:
+        pools = []
+        for p in config.pools:
+            engines = []
+            for e in p.engines:
+                if (e.max_inflight is not None and e.max_inflight < workers) or (e.max_inflight_tokens is not None and e.max_inflight_tokens < workers):
+                    raise ValueError(f"pool {p.name!r} engine {e.engine_name!r}: max_inflight ({e.max_inflight}) must be at least the number of workers ({workers})")
+                engines.append(
+                    e.model_copy(
+                        update={
+                            "max_inflight": None if e.max_inflight is None else _part(e.max_inflight, workers, index),
+                            "max_inflight_tokens": None if e.max_inflight_tokens is None else _part(e.max_inflight_tokens, workers, index),
+                        }
+                    )
+                )
+            pools.append(p.model_copy(update={"engines": engines}))
+    return config.model_copy(update={"admission": admission, "groups": groups, "pools": pools})
 
 
 def check_workers(config_path: str, port: int, workers: int) -> str | None:

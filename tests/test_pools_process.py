@@ -349,3 +349,26 @@ async def test_reload_adds_and_removes_engines_under_load_without_failures(engin
     assert "a" not in by_phase[2]
     rows = engine_rows(await px.status(http))
     assert set(rows) == {"c", "b"} and all(r["inflight"] == 0 for r in rows.values())
+
+
+async def test_repeated_upstream_flags_serve_one_pool_over_those_engines(engines, tmp_path, http):
+    a, b = engines("a", "b")
+    cfg = pools_config([])
+    del cfg["pools"]
+    path = tmp_path / "single.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = start_proxy(path, port, extra_args=["--no-watch", "--upstream", a.url, "--upstream", b.url])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        tasks = [http.post(url + "/v1/chat/completions", json=chat("any-model", n=20, itl_s=0.02)) for _ in range(6)]
+        served = []
+        for r in await asyncio.gather(*tasks):
+            async with r:
+                assert r.status == 200
+                served.append(r.headers.get("X-Engine"))
+        assert set(served) == {"a", "b"}  # both engines of the pool took requests
+        async with http.get(url + "/v1/models") as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["fake-model"]  # the catch-all engine's own list
+    finally:
+        stop_proxy(proc)
