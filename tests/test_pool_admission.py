@@ -129,3 +129,15 @@ async def test_a_removed_engine_drains_and_leaves():
     assert [e.name for e in gone] == ["a2"] and "a2" not in router.engines
     for t in (t1, t2, t3):
         adm.release(t)
+
+
+def test_workers_split_each_engines_own_capacity():
+    from proxy.workers import split_for_worker
+
+    cfg = config([{"name": "a", "models": ["a"], "engines": [{"url": "http://127.0.0.1:9/x", "name": "x", "max_inflight": 5, "max_inflight_tokens": 101}, {"url": "http://127.0.0.1:9/y", "name": "y"}]}])
+    cfg = cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"max_inflight": 4})})
+    parts = [split_for_worker(cfg, 2, i).effective_pools()[0].engines for i in range(2)]
+    assert sum(p[0].max_inflight for p in parts) == 5 and sum(p[0].max_inflight_tokens for p in parts) == 101
+    assert [p[1].max_inflight for p in parts] == [2, 2]  # the admission default, split as before
+    with pytest.raises(ValueError, match="engine 'x'"):
+        split_for_worker(cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"max_inflight": 8})}), 6, 0)
