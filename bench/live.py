@@ -158,7 +158,8 @@ async def run_policy(sc: Scenario, policy: str, upstream_url: str, speedup: floa
     if policy != "ours":
         adm = state.admission
         adm.scheduler = make_scheduler(
-            policy, adm.scheduler.policy, time_scale=k, clock=time.monotonic, on_admit=Admission._wake, on_refuse=Admission._refuse
+            policy, adm.scheduler.policy, time_scale=k, clock=time.monotonic, on_admit=Admission._wake, on_refuse=Admission._refuse,
+            capacity=adm.scheduler.capacity_model, rate_limiter=adm.rate_limiter,
         )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

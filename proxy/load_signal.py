@@ -390,6 +390,7 @@ class LoadSignal:
         self._state = state
         self._clock = clock
         self._pollers: dict = {}
+        self._stopping: set[asyncio.Task] = set()
         self._started = False
         self.polls = {"ok": 0, "error": 0, "no_signal": 0}
         state.metrics.registry.register(_Collector(self))
@@ -445,8 +446,9 @@ class LoadSignal:
             return
         live = {e for _pool, e in self._state.admission.engines() if not e.draining}
         for e in [e for e in self._pollers if e not in live]:
-            poller = self._pollers.pop(e)
-            asyncio.get_running_loop().create_task(poller.stop())
+            task = asyncio.get_running_loop().create_task(self._pollers.pop(e).stop())
+            self._stopping.add(task)  # a reference until it ends
+            task.add_done_callback(self._stopping.discard)
         for e in live:
             if e not in self._pollers:
                 poller = self._pollers[e] = EnginePoller(e, self._state.admission.dispatch, self.polls, self._clock)
@@ -457,7 +459,7 @@ class LoadSignal:
         self._started = False
         pollers = list(self._pollers.values())
         self._pollers.clear()
-        await asyncio.gather(*(p.stop() for p in pollers), return_exceptions=True)
+        await asyncio.gather(*(p.stop() for p in pollers), *self._stopping, return_exceptions=True)
 
 
 class _Collector(Collector):

@@ -69,9 +69,9 @@ _GENERATE = {
 
 def _post(summary: str, schema: dict) -> dict:
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}} for s, d in (
-        (400, "invalid request"), (401, "unknown API key (require_api_key)"), (413, "body too large"),
+        (400, "invalid request"), (401, "unknown API key (require_api_key)"), (404, "no pool serves this model (model_not_found)"), (413, "body too large"),
         (429, "rate limited, queue full or queue timeout (Retry-After)"), (502, "upstream unreachable or broken"),
-        (503, "evicted, shutting down, or too many requests (Retry-After)"), (504, "upstream sent no headers in time"),
+        (503, "evicted, shutting down, no healthy engine for the model, or too many requests (Retry-After)"), (504, "upstream sent no headers in time"),
     )}
     return {
         "post": {
@@ -96,7 +96,8 @@ DOCUMENT = {
         "/v1/completions": _post("OpenAI text completions", _COMPLETION),
         "/generate": _post("LightLLM native generation", _GENERATE),
         "/generate_stream": _post("LightLLM native streaming generation", _GENERATE),
-        "/v1/models": _get("the upstream's models"),
+        "/v1/models": _get("the models served: the upstream's own, or every pool's"),
+        "/v1/models/{model}": _get("one model of that list (404 model_not_found)"),
         "/health": _get("the proxy is alive"),
         "/ready": _get("the upstream answers (503 otherwise)"),
         "/metrics": _get("Prometheus metrics"),

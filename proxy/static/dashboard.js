@@ -134,7 +134,11 @@
         return el(
           "tr",
           { "data-engine": e.name },
-          cell("name", [el("span", {}, e.name), el("div", { class: "muted small" }, e.url)]),
+          cell("name", [
+            el("span", {}, e.pool && e.pool !== "default" ? `${e.pool} / ${e.name}` : e.name),
+            e.state && e.state !== "healthy" ? el("span", { class: "flag bad" }, e.state) : "",
+            el("div", { class: "muted small" }, e.url),
+          ]),
           cell("kind", e.kind),
           cell("inflight", bar(used, null, `${num(e.inflight)} / ${num(e.capacity)}`), "share"),
           cell("max_inflight", num(e.max_inflight), "num"),
