@@ -67,6 +67,10 @@ class SharedRateLimiter:
             self.shared.settle_rate(res, tokens_used)
 
 
+def _limited(limits) -> bool:
+    return bool(limits.requests_per_minute or limits.tokens_per_minute)
+
+
 async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, request: dict[str, Any], submit: Callable[[], Ticket]) -> Ticket:
     """Reserve the request's rate limits in the shared state, then submit it.
 
@@ -94,6 +98,8 @@ async def reserve_and_submit(scheduler: Scheduler, limiter: SharedRateLimiter, r
         request["user_id"], request["group"], request["prompt_tokens"], request["max_output_tokens"],
         choices=request.get("choices", 1), output_ceiling=request.get("output_ceiling"),
     )  # fmt: skip
+    if not (_limited(up.limits) or _limited(gpol.limits)):
+        return submit()  # no limit applies: no round trip, nothing to hand over
     try:
         res = await limiter.shared.reserve_rate(up.user_id, gpol.name, up.limits, gpol.limits, tokens)
     except RateLimited as e:
