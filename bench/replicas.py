@@ -334,19 +334,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=None, help="fairness window (s; default 30, --quick 10)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--plot", type=Path, default=Path("docs/img/replicas.png"))
+    ap.add_argument("--only", choices=("throughput", "guarantees"), default=None, help="run one part (no plot)")
     a = ap.parse_args(argv)
     window = a.window or (10.0 if a.quick else 30.0)
     workdir = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
     redis = RedisServer().start()
     try:
-        results = {"window_s": window, "throughput": throughput(workdir, redis, a.quick)}
-        results["guarantees"] = asyncio.run(guarantees(workdir, redis, a.quick, window))
+        results: dict = {"window_s": window}
+        if a.only != "guarantees":
+            results["throughput"] = throughput(workdir, redis, a.quick)
+        if a.only != "throughput":
+            results["guarantees"] = asyncio.run(guarantees(workdir, redis, a.quick, window))
     finally:
         redis.close()
     print(json.dumps(results, indent=1))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
-    if a.plot:
+    if a.plot and "guarantees" in results and "throughput" in results:
         plot(results, a.plot)
     return 0
 

@@ -32,8 +32,11 @@ so every replica orders its queue by service rendered everywhere, one sync inter
 
 The binding needs one narrow hook of the capacity model: something per engine that has
 ``max_inflight``, ``max_inflight_tokens``, ``inflight``, ``inflight_tokens`` and
-``set_lease(slots, tokens)`` (:class:`LeasedEngine`), and a way to tell which engine a
-ticket in flight is on.
+``set_lease(slots, tokens)`` (:class:`LeasedEngine`: the router's
+:class:`proxy.router.EngineState`), and a way to tell which engine a ticket in flight is on
+(``ticket.placement``). A new engine must start with a lease of 0 when leases are in force
+(:class:`proxy.router.PoolRouter` ``leased=True``), so nothing is placed there before the
+binding's next :meth:`LeaseBinding.rebind`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
-from qos import LocalCapacity, Scheduler, Ticket
+from qos import Scheduler, Ticket
 
 from .shared import CapacityReport, ClassDemand, SyncReport
 
@@ -90,34 +93,6 @@ class BoundPool:
     scheduler: Scheduler
     engines: Callable[[], Iterable[LeasedEngine]]
     engine_of: Callable[[Ticket], LeasedEngine | None] = lambda _t: None
-
-
-class LocalEngine:
-    """The single engine of a one-engine scheduler (:class:`qos.LocalCapacity`) as a
-    :class:`LeasedEngine`."""
-
-    def __init__(self, name: str, capacity: LocalCapacity) -> None:
-        self.name = name
-        self.capacity = capacity
-
-    @property
-    def max_inflight(self) -> int:
-        return self.capacity.max_inflight
-
-    @property
-    def max_inflight_tokens(self) -> int | None:
-        return self.capacity.max_inflight_tokens
-
-    @property
-    def inflight(self) -> int:
-        return self.capacity.inflight
-
-    @property
-    def inflight_tokens(self) -> int:
-        return self.capacity.inflight_tokens
-
-    def set_lease(self, slots: int | None, tokens: int | None) -> None:
-        self.capacity.set_lease(slots, tokens)
 
 
 def slots_key(pool: str, engine: str) -> str:
@@ -223,4 +198,4 @@ def _reporter(shared, pool: str) -> Callable[[str, float], None]:
     return on_service
 
 
-__all__ = ["BoundPool", "LeaseBinding", "LeasedEngine", "LocalEngine", "slots_key", "tokens_key"]
+__all__ = ["BoundPool", "LeaseBinding", "LeasedEngine", "slots_key", "tokens_key"]
