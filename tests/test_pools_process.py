@@ -410,3 +410,18 @@ async def test_each_engines_load_signal_steers_dispatch_away_from_a_saturated_on
     await _until(http, px, lambda rows: not rows["a"]["saturated"], "a drained")
     results = await asyncio.gather(*(post(http, px, chat("m", n=50, itl_s=0.01)) for _ in range(8)))
     assert "a" in {engine for _s, engine, _b in results}
+
+
+async def test_a_session_header_keeps_a_session_on_one_engine(engines, proxies, tmp_path, http):
+    a, b = engines("a", "b")
+    affinity = {"policy": "least_headroom", "affinity": {"session_header": "X-Session-Id", "tolerance": 1.0}}
+    cfg = pools_config([{"name": "p", "models": ["m"], "engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}], "routing": affinity}])
+    px = proxies(tmp_path, cfg)
+    by_session: dict[str, set] = {}
+    for i in range(24):
+        session = f"s{i % 8}"
+        async with http.post(px.url + "/v1/chat/completions", json=chat("m"), headers={"X-Session-Id": session}) as r:
+            assert r.status == 200
+            by_session.setdefault(session, set()).add(r.headers["X-Engine"])
+    assert all(len(engines) == 1 for engines in by_session.values()), by_session  # each session sticks
+    assert set().union(*by_session.values()) == {"a", "b"}  # and sessions spread over the engines
