@@ -226,7 +226,7 @@ async def _generation(
         if upstream is not None:
             if upstream.status >= 500:
                 admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
-            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR:
+            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR and upstream.status < 400:  # a 4xx is the client's
                 admission.report(engine, False, "stream_cut", ex.detail)
             else:
                 admission.report(engine, True)
