@@ -243,7 +243,10 @@ class Admission:
 
     def pool_of(self, engine: EngineState) -> Pool | None:
         """The pool ``engine`` belongs to, or ``None`` once it left."""
-        for pool in self.all_pools():
+        pool = self.pools.get(engine.spec.pool)
+        if pool is not None and pool.router.engines.get(engine.name) is engine:
+            return pool
+        for pool in self.retired:
             if pool.router.engines.get(engine.name) is engine:
                 return pool
         return None

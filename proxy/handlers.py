@@ -4,14 +4,19 @@ The life of a completion request (``handle_generation``):
 
 1. read and parse the body (400 on bad input, 413 over ``limits.max_body_bytes``);
 2. resolve the caller (401 if ``require_api_key`` and no known key);
-3. wait for admission (429 rate limit / queue full / timeout, 503 evicted / shutdown);
-4. open the upstream request, once (502 unreachable or closed without an answer, 504
-   no headers in time; :mod:`proxy.upstream`), with the body :mod:`proxy.upstream_body`
-   plans;
-5. relay the answer (:mod:`proxy.relay`, :mod:`proxy.assemble`); 6. release the slot
+3. route it by ``model`` to a pool (404 ``model_not_found``; :mod:`proxy.model_routing`);
+4. wait for admission in that pool (429 rate limit / queue full / timeout, 503 evicted /
+   shutdown / no healthy engine); the ticket comes back placed on an engine (bind late);
+5. open the request on that engine, once (502 unreachable or closed without an answer,
+   504 no headers in time; :mod:`proxy.upstream`), with the body built for that engine
+   (:mod:`proxy.engine_body`: alias, two-level priority; :mod:`proxy.upstream_body`). A
+   connection that failed before any byte was sent moves the request to another engine
+   of the pool (:meth:`proxy.admission.Admission.reroute`); the engine's health hears of
+   every outcome (:meth:`proxy.admission.Admission.report`);
+6. relay the answer (:mod:`proxy.relay`, :mod:`proxy.assemble`); 7. release the slot
    exactly once, in ``finally``, with the real token counts; abort the upstream by
    closing its connection unless its answer was read to the end;
-7. log one access line (:func:`_log_access`), whatever the answer.
+8. log one access line (:func:`_log_access`), whatever the answer.
 
 A client that disconnects cancels the handler task (aiohttp ``handler_cancellation``),
 which lands in the same ``finally`` wherever the request is: queued, waiting for the
@@ -221,7 +226,7 @@ async def _generation(
         if upstream is not None:
             if upstream.status >= 500:
                 admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
-            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR:
+            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR and upstream.status < 400:  # a 4xx is the client's
                 admission.report(engine, False, "stream_cut", ex.detail)
             else:
                 admission.report(engine, True)

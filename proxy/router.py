@@ -402,6 +402,8 @@ class PoolRouter:
             return max(rest, key=lambda e: e.headroom(tokens), default=None)
         if not cands:
             return None
+        if len(cands) == 1 and len(self.engines) == 1:
+            return cands[0]  # the only engine (the single-upstream form): nothing to choose
         if self.routing.policy == "round_robin":
             pick = self._by_affinity(key, [e for e in cands if not e.saturated]) if key else None
             return pick or self._round_robin(cands, commit)
@@ -460,7 +462,9 @@ class PoolRouter:
         """
         if ticket in self._placed:
             raise ValueError("this request is already placed on an engine")
-        engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket))
+        if key is None and self.routing.affinity.enabled:
+            key = self.affinity_of(ticket)
+        engine = self.choose(ticket.reserved_tokens, key)
         if engine is None:
             raise NoEngineFits(f"no engine of pool {self.name!r} has room for {ticket.reserved_tokens} tokens")
         self._place(ticket, engine)
@@ -582,7 +586,10 @@ class PoolCapacity:
 
     @property
     def slots(self) -> int:
-        return sum(e.capacity if e.in_rotation else e.inflight for e in self.router.engines.values())
+        n = 0
+        for e in self.router.engines.values():
+            n += e.capacity if e.in_rotation else e.inflight
+        return n
 
     @property
     def inflight(self) -> int:
@@ -605,8 +612,15 @@ class PoolCapacity:
             e.capacity_limit = limit
 
     def admissible(self, tokens: int) -> bool:
-        engines = [e for e in self.router.engines.values() if not e.draining]
-        return not engines or any(e.spec.max_inflight_tokens is None or tokens <= e.spec.max_inflight_tokens for e in engines)
+        some = False
+        for e in self.router.engines.values():
+            if e.draining:
+                continue
+            cap = e.spec.max_inflight_tokens
+            if cap is None or tokens <= cap:
+                return True
+            some = True
+        return not some
 
     def fits(self, tokens: int) -> bool:
         return self.router.choose(tokens, commit=False) is not None

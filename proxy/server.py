@@ -59,9 +59,10 @@ async def serve(
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(state))
-    log.info("proxy listening on http://%s:%d, upstream %s (%s)", host, port, state.active.config.upstream.url, config.upstream.kind)
+    where = _serving(state)
+    log.info("proxy listening on http://%s:%d, %s", host, port, where)
     if worker is None:
-        print(f"llm-qos proxy ready on http://{host}:{port} -> {state.active.config.upstream.url}", flush=True)
+        print(f"llm-qos proxy ready on http://{host}:{port} -> {where}", flush=True)
     else:
         print(f"llm-qos proxy worker {worker[0] + 1}/{worker[1]} (pid {os.getpid()}) ready on http://{host}:{port}", flush=True)
 
@@ -167,3 +168,15 @@ def run(
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serving(state) -> str:
+    """What the proxy sends requests to, for its start-up lines: the single upstream's URL
+    and kind, or each pool with its engines."""
+    if state.active.models.single_upstream:
+        up = state.active.config.upstream
+        return f"{up.url} ({up.kind})"
+    return "; ".join(
+        f"pool {p.name}: {', '.join(f'{e.name} {e.url}' if e.name != e.url else e.url for e in p.router.engines.values())}"
+        for p in state.admission.pools.values()
+    )

@@ -303,6 +303,11 @@ async def test_zero_healthy_engines_answer_503_with_retry_after_at_once(engines,
             assert (await r.json())["error"]["code"] == "no_healthy_engine"
             assert int(r.headers["Retry-After"]) >= 1
         assert loop.time() - t0 < 5  # answered, never queued until a timeout
+    async with http.get(px.url + "/ready") as r:
+        assert r.status == 503  # no pool can serve
+    async with http.get(px.url + "/admin/dashboard.json", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        (row,) = (await r.json())["engines"]
+    assert (row["pool"], row["name"], row["state"]) == ("p", "a", "ejected")
     async with http.get(px.url + "/metrics") as r:
         text = await r.text()
     assert 'llm_qos_engine_state{engine="a",pool="p",state="ejected"} 1.0' in text
@@ -380,3 +385,43 @@ async def test_repeated_upstream_flags_serve_one_pool_over_those_engines(engines
             assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["fake-model"]  # the catch-all engine's own list
     finally:
         stop_proxy(proc)
+
+
+async def test_each_engines_load_signal_steers_dispatch_away_from_a_saturated_one(engines, proxies, tmp_path, http):
+    a, b = engines("a", "b")
+    cfg = pools_config(
+        [
+            {
+                "name": "p",
+                "models": ["m"],
+                "engines": [{"url": a.url, "name": "a", "max_inflight": 8}, {"url": b.url, "name": "b", "max_inflight": 8}],
+                "health": {"check_interval_s": 0},
+            }
+        ]
+    )
+    cfg["upstream"] = {"kind": "lightllm", "load_signal": {"enabled": True, "interval_s": 0.05, "stale_after_s": 2.0}}
+    await a.script(http, load=0.99)  # a reports its KV cache full
+    px = proxies(tmp_path, cfg)
+    rows = await _until(http, px, lambda rows: rows["a"]["saturated"] and rows["b"]["load_signal"] == "ok", "both engines polled")
+    assert rows["a"]["capacity"] == 1 and rows["b"]["capacity"] == 8
+    results = await asyncio.gather(*(post(http, px, chat("m", n=20, itl_s=0.01)) for _ in range(6)))
+    assert all(status == 200 and engine == "b" for status, engine, _ in results), results
+    await a.script(http, load=0.0)
+    await _until(http, px, lambda rows: not rows["a"]["saturated"], "a drained")
+    results = await asyncio.gather(*(post(http, px, chat("m", n=50, itl_s=0.01)) for _ in range(8)))
+    assert "a" in {engine for _s, engine, _b in results}
+
+
+async def test_a_session_header_keeps_a_session_on_one_engine(engines, proxies, tmp_path, http):
+    a, b = engines("a", "b")
+    affinity = {"policy": "least_headroom", "affinity": {"session_header": "X-Session-Id", "tolerance": 1.0}}
+    cfg = pools_config([{"name": "p", "models": ["m"], "engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}], "routing": affinity}])
+    px = proxies(tmp_path, cfg)
+    by_session: dict[str, set] = {}
+    for i in range(24):
+        session = f"s{i % 8}"
+        async with http.post(px.url + "/v1/chat/completions", json=chat("m"), headers={"X-Session-Id": session}) as r:
+            assert r.status == 200
+            by_session.setdefault(session, set()).add(r.headers["X-Engine"])
+    assert all(len(engines) == 1 for engines in by_session.values()), by_session  # each session sticks
+    assert set().union(*by_session.values()) == {"a", "b"}  # and sessions spread over the engines
