@@ -303,3 +303,29 @@ async def test_each_engine_of_a_pool_is_leased_on_its_own(aiohttp_server, redis_
             assert ss.started > 0 and bs.started > 0 and ss.started + bs.started == 108
     finally:
         reps.stop()
+
+
+async def test_tokens_per_minute_are_settled_to_real_usage_across_replicas(aiohttp_server, redis_server):
+    """A request's take is its estimate; the real count (the engine's usage) is settled in
+    Redis with the next sync, so later requests on any replica see it."""
+    engine, stats = await _engine(aiohttp_server)
+    groups = [{"name": "bronze", "users": [{"id": "carl", "weight": 1, "rate_limit": {"tokens_per_minute": 2000}}]}]
+    reps = _start(engine, redis_server.url, "tpm", groups=groups)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            served = 0
+            for i in range(12):
+                # estimated at a few tokens of prompt + 10 of output; really 500 + 10
+                code, body, _ = await post(s, reps.urls[i % 3], "carl", "c", 10, prompt=500)
+                if code != 200:
+                    assert code == 429 and body["error"]["limit"] == "tokens_per_minute"
+                    break
+                served += 1
+                await asyncio.sleep(0.2)  # the settle travels with the next sync (0.05 s)
+            # 2000 tokens hold 3 requests of 510 and a fourth that fits its estimate; unsettled,
+            # all 12 estimates (a few dozen tokens each) would have fitted
+            assert 3 <= served <= 4, f"{served} served"
+            assert stats.started == served
+    finally:
+        reps.stop()
