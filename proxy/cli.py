@@ -118,15 +118,6 @@ async def _up(args: argparse.Namespace) -> int:
     config = args.config or default_config_path()
     if check_config(config) != 0:
         return 2
-    from .pool_config import SERVING_POOLS
-
-    if args.engines > 1 and not SERVING_POOLS:
-        print(
-            f"llm-qos up: --engines {args.engines} makes a pool of engines; this build validates pools but serves only "
-            "the single upstream form (routing across pools arrives with the second phase of issue #12)",
-            file=sys.stderr,
-        )
-        return 2
     try:
         plans = _engine_plans(args)
     except ValueError as e:

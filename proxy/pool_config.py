@@ -32,9 +32,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CATCH_ALL = "*"
 #: Name of the pool the single-upstream form (and ``llm-qos up --engines N``) makes.
 DEFAULT_POOL = "default"
-#: Whether this build serves configs with ``pools`` (it does since phase 2 of issue #12;
-#: kept so that a build can switch pools off again).
-SERVING_POOLS = True
 
 _HTTP_TOKEN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # RFC 9110 token: a header field name
 _POOL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -365,18 +362,6 @@ def check_pools(config: Any) -> None:
                 raise ValueError(f"{what} is in two pools, {owner[m.name]!r} and {p.name!r}; a model belongs to one pool")
             owner[m.name] = p.name
     resolve_pools(config)  # engine load_signal overrides
-
-
-def unserved(config: Any) -> str | None:
-    """Why this build cannot serve ``config`` (a sentence), or ``None`` when it can.
-
-    See :data:`SERVING_POOLS`."""
-    if config.pools and not SERVING_POOLS:
-        return (
-            "this config has pools: they are validated (llm-qos check-config) but this build still serves only the "
-            "single upstream form; routing across pools arrives with the second phase of issue #12"
-        )
-    return None
 
 
 def bundled_pool_config(config: Any, urls: list[str]) -> Any:

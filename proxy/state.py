@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from . import engine_metrics
 from .admission import Admission
 from .capacity_leases import BoundPool, LeaseBinding
-from .config import Config, ConfigError, with_upstream_urls
+from .config import Config, with_upstream_urls
 from .engine_health import HealthChecker
 from .identity import IdentityResolver
 from .metrics import Metrics, SharedStateCollector
 from .model_routing import ModelTable
-from .pool_config import unserved
 from .router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .shared_limits import SharedRateLimiter
@@ -61,8 +60,7 @@ class ProxyState:
     (:mod:`proxy.shared_limits`); without it, the process is standalone, as before.
 
     Raises:
-        ConfigError: the override does not fit the config, or this build cannot serve it
-            (:func:`proxy.pool_config.unserved`).
+        ConfigError: the override does not fit the config.
     """
 
     def __init__(
@@ -102,7 +100,7 @@ class ProxyState:
         self.max_body_bytes = config.limits.max_body_bytes  # fixed for the app's lifetime
 
     def _prepare(self, config: Config) -> Config:
-        return _servable(with_upstream_urls(config, self.upstream_override))
+        return with_upstream_urls(config, self.upstream_override)
 
     def _bound_pools(self) -> list[BoundPool]:
         """The pools the capacity leases bind: every pool's scheduler and engines
@@ -199,12 +197,3 @@ class ProxyState:
 def _placement(ticket) -> EngineState | None:
     """The engine a ticket in flight is on (bound at dispatch)."""
     return ticket.placement
-
-
-def _servable(config: Config) -> Config:
-    """``config``, or ConfigError when this build cannot serve it
-    (:func:`proxy.pool_config.unserved`)."""
-    reason = unserved(config)
-    if reason is not None:
-        raise ConfigError(reason)
-    return config

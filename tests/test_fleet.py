@@ -10,7 +10,6 @@ import time
 import pytest
 
 from engine_server import fleet
-from proxy.pool_config import SERVING_POOLS
 from tests.test_cli import ENV, REPO_ROOT
 
 
@@ -72,11 +71,3 @@ def test_up_refuses_a_bad_engine_count_at_once():
     t0 = time.monotonic()
     out = _up("--engines", "0", "--port", "1")
     assert out.returncode == 2 and "at least 1" in out.stderr and time.monotonic() - t0 < 30
-
-
-@pytest.mark.skipif(SERVING_POOLS, reason="pools are served: the end-to-end test runs --engines 2")
-def test_up_with_several_engines_says_this_build_cannot_serve_them_before_starting_any():
-    t0 = time.monotonic()
-    out = _up("--engines", "2", "--backend", "cpu")
-    assert out.returncode == 2 and "--engines 2" in out.stderr and "issue #12" in out.stderr
-    assert "starting engine" not in out.stdout and time.monotonic() - t0 < 30

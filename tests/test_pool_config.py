@@ -1,7 +1,6 @@
 """The ``pools:`` config model: the single-upstream form still loads and means one pool of
 one engine; pools resolve their defaults; every broken pool config is refused with a
-message naming what is wrong; a proxy of this build refuses to serve pools rather than
-send their requests to the default upstream."""
+message naming what is wrong."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ import yaml
 
 from proxy.admin import REDACTED, redacted_config
 from proxy.config import Config, ConfigError, load_config, parse_config, with_upstream_urls
-from proxy.config_watch import reload_config
-from proxy.pool_config import CATCH_ALL, DEFAULT_POOL, SERVING_POOLS
+from proxy.pool_config import CATCH_ALL, DEFAULT_POOL
 from tests.conftest import base_config
-from tests.proc_util import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = [REPO / "proxy" / "default_config.yaml", *sorted((REPO / "config").glob("*.yaml"))]
@@ -187,33 +184,6 @@ def test_check_config_summarizes_pools(tmp_path):
     out = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(path)], capture_output=True, text=True, env=ENV, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "pools small (models smol, tiny; engines http://10.0.0.1:8001 (lightllm), b (openai)); big (models *;" in out.stdout
-
-
-@pytest.mark.skipif(SERVING_POOLS, reason="pools are served: the routing tests cover them")
-@pytest.mark.parametrize("how", ["pools in the file", "two --upstream"])
-def test_this_build_refuses_to_serve_pools_instead_of_misrouting(tmp_path, how):
-    path = tmp_path / "config.yaml"
-    extra: list[str] = []
-    if how == "pools in the file":
-        path.write_text(yaml.safe_dump(pools_config()))
-    else:
-        path.write_text(yaml.safe_dump(base_config("http://127.0.0.1:1")))
-        extra = ["--upstream", "http://127.0.0.1:2", "--upstream", "http://127.0.0.1:3"]
-    cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(path), "--port", str(free_port()), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=60, preexec_fn=die_with_parent)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "pools" in out.stderr and "check-config" in out.stderr and "Traceback" not in out.stderr
-
-
-@pytest.mark.skipif(SERVING_POOLS, reason="pools are served: the routing tests cover them")
-async def test_a_reload_to_pools_is_refused_and_the_old_config_stays(make_stack, http):
-    st = await make_stack()
-    cfg = pools_config()
-    st.config_path.write_text(yaml.safe_dump(cfg))
-    assert reload_config(st.state) is False
-    assert "pools" in st.state.last_error and st.state.active.config.pools is None
-    async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(2)) as r:
-        assert r.status == 200  # still served by the single upstream
 
 
 def test_pool_models_are_copied_not_shared():
