@@ -1,8 +1,9 @@
-"""The container files, checked without a Docker engine: docker-compose.yml against the
-Compose Specification's JSON schema (vendored in tests/data), the stack's wiring (GPU
-reservation, health-gated start, one published port, the config mounted as a directory),
-its profiles (``cpu``, the default set in .env, and ``gpu``: each starts one stack and only
-it), the pins (LightLLM's image, the model wheel, one image tag everywhere), every
+"""The container files, checked without a Docker engine: docker-compose.yml (alone, and with
+docker-compose.two-gpus.yml on top) against the Compose Specification's JSON schema
+(vendored in tests/data), the stack's wiring (GPU reservation, health-gated start, one
+published port, the config mounted as a directory, two engines behind the proxy in the
+``cpu`` profile, and in the ``gpu`` one with the second file), its profiles (``cpu``, the
+default set in .env, and ``gpu``: each starts one stack and only it), the pins (LightLLM's image, the model wheel, one image tag everywhere), every
 Dockerfile's COPY sources and base images, builds that need no frontend image from a
 registry, and docker/preflight.sh against a stand-in ``docker`` command (no engine here)."""
 
@@ -57,14 +58,41 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+@pytest.fixture(scope="module")
+def two_gpus() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.two-gpus.yml").read_text())
+
+
+def merged(base: dict, override: dict) -> dict:
+    """``docker compose -f base -f override``, for the keys these files use (Compose
+    Specification, "Merge and override"): mappings merge key by key; ``command`` (like
+    every sequence these files override) is replaced."""
+    out = json.loads(json.dumps(base))
+
+    def merge(a: dict, b: dict) -> None:
+        for k, v in b.items():
+            if isinstance(v, dict) and isinstance(a.get(k), dict):
+                merge(a[k], v)
+            else:
+                a[k] = json.loads(json.dumps(v))
+
+    merge(out, override)
+    return out
+
+
+CPU_ENGINES = ("engine-cpu-a", "engine-cpu-b")
+
+
 def _errors(schema: dict, doc: dict) -> list[str]:
     v = jsonschema.Draft7Validator(schema)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in v.iter_errors(doc)]
 
 
-def test_compose_file_is_valid_against_the_compose_spec(schema, compose):
+def test_compose_file_is_valid_against_the_compose_spec(schema, compose, two_gpus):
     assert _errors(schema, compose) == []
     assert _errors(schema, interpolate(compose)) == []  # as compose sees it, defaults applied
+    both = merged(compose, two_gpus)
+    assert _errors(schema, two_gpus) == [] and _errors(schema, both) == [] and _errors(schema, interpolate(both)) == []
 
 
 def test_the_schema_check_is_not_vacuous(schema, compose):
@@ -87,13 +115,14 @@ def test_engine_has_a_gpu_shared_memory_a_model_volume_and_a_real_healthcheck(co
     assert engine["profiles"] == ["gpu"]
 
 
-def test_proxy_waits_for_a_healthy_engine_publishes_one_port_and_mounts_its_config_dir(compose):
-    for proxy, engine, config_file, kind in (
-        ("proxy", "engine", "config.yaml", "lightllm"),
-        ("proxy-cpu", "engine-cpu", "config.cpu.yaml", "openai"),
+def test_proxy_waits_for_healthy_engines_publishes_one_port_and_mounts_its_config_dir(compose):
+    for proxy, engines, config_file, kind in (
+        ("proxy", ["engine"], "config.yaml", "lightllm"),
+        ("proxy-cpu", list(CPU_ENGINES), "config.cpu.yaml", "openai"),
     ):
         svc = compose["services"][proxy]
-        assert svc["depends_on"][engine]["condition"] == "service_healthy"
+        for engine in engines:
+            assert svc["depends_on"][engine]["condition"] == "service_healthy"
         assert len(svc["ports"]) == 1 and interpolate(svc["ports"][0]).endswith(":8000")
         (mount,) = svc["volumes"]
         assert mount["type"] == "bind" and mount["target"] == "/etc/llm-qos"
@@ -104,8 +133,65 @@ def test_proxy_waits_for_a_healthy_engine_publishes_one_port_and_mounts_its_conf
         assert path == f"/etc/llm-qos/{config_file}"
         cfg = load_config(source / config_file)  # valid, by the proxy's own loader
         assert cfg.upstream.kind == kind
-        assert cfg.upstream.url == f"http://{engine}:8001"
+        (pool,) = cfg.effective_pools()
+        assert pool.catch_all and sorted(e.url for e in pool.engines) == [f"http://{e}:8001" for e in engines]
+        assert all(e.kind == kind for e in pool.engines)
         assert "healthcheck" in svc
+
+
+def _listens_on(svc: dict) -> str:
+    args = svc["command"]
+    return args[args.index("--port") + 1]
+
+
+def test_the_cpu_profile_puts_two_engines_behind_the_proxy(compose):
+    """Two CPU engine services, one definition, and the proxy's config: one catch-all pool
+    over both, by their service names, waited for healthy."""
+    services = compose["services"]
+    a, b = (services[n] for n in CPU_ENGINES)
+    assert a == b  # one definition (x-engine-cpu), two services
+    assert a["profiles"] == ["cpu"] and "ports" not in a and "deploy" not in a
+    assert a["expose"] == [_listens_on(a)] == ["8001"]
+    proxy = services["proxy-cpu"]
+    assert {n for n, d in proxy["depends_on"].items() if d["condition"] == "service_healthy"} >= set(CPU_ENGINES)
+    args = proxy["command"]
+    assert "--upstream" not in args  # the engines are named in the config the proxy watches
+    cfg = load_config(ROOT / "config" / args[args.index("--config") + 1].removeprefix("/etc/llm-qos/"))
+    assert cfg.pools is not None
+    (pool,) = cfg.effective_pools()
+    assert pool.catch_all and not pool.single_upstream
+    assert {e.name: e.url for e in pool.engines} == {n: f"http://{n}:{_listens_on(services[n])}" for n in CPU_ENGINES}
+    assert all(e.max_inflight == cfg.admission.max_inflight for e in pool.engines)
+
+
+def test_the_two_gpus_file_adds_a_second_lightllm_engine_on_its_own_gpu(compose, two_gpus):
+    both = interpolate(merged(compose, two_gpus))
+    services = both["services"]
+    engine, second = services["engine"], services["engine-b"]
+    assert second["profiles"] == ["gpu"] == engine["profiles"]
+    for key in ("build", "image", "volumes", "shm_size", "expose", "healthcheck", "stop_grace_period", "restart"):
+        assert second[key] == engine[key], key
+    (mine,) = engine["deploy"]["resources"]["reservations"]["devices"]
+    (theirs,) = second["deploy"]["resources"]["reservations"]["devices"]
+    assert mine["count"] == "1" and "device_ids" not in mine  # Docker maps a count of 1 to GPU 0
+    assert theirs["device_ids"] == ["1"] and "count" not in theirs and theirs["driver"] == "nvidia"
+    flags = lambda cmd: dict(zip(cmd[::2], cmd[1::2]))  # noqa: E731
+    assert flags(second["command"]) == {**flags(engine["command"]), "--tp": "1"}
+    proxy = services["proxy"]
+    assert proxy["depends_on"]["engine"] == compose["services"]["proxy"]["depends_on"]["engine"]  # kept
+    assert proxy["depends_on"]["engine-b"]["condition"] == "service_healthy"
+    assert proxy["depends_on"]["redis"]["condition"] == "service_healthy"
+    args = proxy["command"]
+    base = compose["services"]["proxy"]["command"]
+    assert args[: len(base)] == base
+    urls = [args[i + 1] for i, a in enumerate(args) if a == "--upstream"]
+    assert urls == [f"http://{n}:{_listens_on(services[n])}" for n in ("engine", "engine-b")]
+    from proxy.config import with_upstream_urls
+
+    cfg = with_upstream_urls(load_config(ROOT / "config" / "config.yaml"), urls)  # what the proxy serves
+    (pool,) = cfg.effective_pools()
+    assert pool.catch_all and [e.url for e in pool.engines] == urls and all(e.kind == "lightllm" for e in pool.engines)
+    assert enabled(both, {"cpu"}) == enabled(compose, {"cpu"})  # the cpu stack is untouched
 
 
 def enabled(compose: dict, profiles: set[str]) -> set[str]:
@@ -135,9 +221,10 @@ def _publishes_8000(svc: dict) -> bool:
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_each_profile_starts_one_stack_and_only_it(compose, profile):
     on = enabled(compose, {profile})
-    engine, proxy = ("engine-cpu", "proxy-cpu") if profile == "cpu" else ("engine", "proxy")
-    other = {"engine", "proxy"} if profile == "cpu" else {"engine-cpu", "proxy-cpu"}
-    assert {engine, proxy} <= on and not (other & on)
+    stack = {*CPU_ENGINES, "proxy-cpu"} if profile == "cpu" else {"engine", "proxy"}
+    other = {"engine", "proxy"} if profile == "cpu" else {*CPU_ENGINES, "proxy-cpu"}
+    proxy = "proxy-cpu" if profile == "cpu" else "proxy"
+    assert stack <= on and not (other & on)
     assert [n for n in on if _publishes_8000(compose["services"][n])] == [proxy]  # no port clash
     assert any(_reserves_gpu(compose["services"][n]) for n in on) == (profile == "gpu")
     for name in on:  # every dependency is started too
@@ -150,21 +237,23 @@ def test_the_default_profile_is_the_cpu_stack(compose):
     profiles = set(dotenv()["COMPOSE_PROFILES"].split(","))
     assert profiles == {"cpu"}
     assert enabled(compose, profiles) == enabled(compose, {"cpu"})
-    assert enabled(compose, set()) & {"engine", "proxy", "engine-cpu", "proxy-cpu"} == set()  # nothing by accident
+    assert enabled(compose, set()) & {"engine", "proxy", *CPU_ENGINES, "proxy-cpu"} == set()  # nothing by accident
 
 
 def test_cpu_profile_runs_the_cpu_engine_instead(compose):
     services = compose["services"]
     cpu = {name for name, s in services.items() if "cpu" in s.get("profiles", [])}
-    assert cpu == {"engine-cpu", "proxy-cpu"}
+    assert cpu == {*CPU_ENGINES, "proxy-cpu"}
     assert all(services[n]["profiles"] == ["gpu"] for n in ("engine", "proxy"))
-    assert "deploy" not in services["engine-cpu"]  # no GPU asked for
-    assert "Dockerfile.cpu-engine" in services["engine-cpu"]["build"]["dockerfile"]
+    for name in CPU_ENGINES:
+        assert "deploy" not in services[name]  # no GPU asked for
+        assert "Dockerfile.cpu-engine" in services[name]["build"]["dockerfile"]
 
 
-def test_lightllm_is_pinned_to_the_release_the_launcher_is_written_for(compose):
-    image = compose["services"]["engine"]["build"]["args"]["LIGHTLLM_IMAGE"]
-    assert image == f"ghcr.io/modeltc/lightllm:{lightllm_backend.LIGHTLLM_VERSION}" == "ghcr.io/modeltc/lightllm:v1.2.0"
+def test_lightllm_is_pinned_to_the_release_the_launcher_is_written_for(compose, two_gpus):
+    for svc in (compose["services"]["engine"], two_gpus["services"]["engine-b"]):
+        image = svc["build"]["args"]["LIGHTLLM_IMAGE"]
+        assert image == f"ghcr.io/modeltc/lightllm:{lightllm_backend.LIGHTLLM_VERSION}" == "ghcr.io/modeltc/lightllm:v1.2.0"
 
 
 def test_the_model_wheel_is_pinned_to_the_version_whose_file_name_we_use():
@@ -181,11 +270,11 @@ def test_the_model_wheel_is_pinned_to_the_version_whose_file_name_we_use():
     assert cpu_model.find_gguf().name == cpu_model.GGUF_NAME
 
 
-def test_one_image_tag_everywhere(compose):
+def test_one_image_tag_everywhere(compose, two_gpus):
     """Every llm-qos image named in the compose file, the Dockerfiles and the docs carries
     the package's version, so a documented ``docker build`` makes the image the docs run."""
     tag = yaml.safe_load("v: " + re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1))["v"]
-    texts = {p.relative_to(ROOT): p.read_text() for p in [ROOT / "docker-compose.yml", ROOT / "README.md",
+    texts = {p.relative_to(ROOT): p.read_text() for p in [ROOT / "docker-compose.yml", ROOT / "docker-compose.two-gpus.yml", ROOT / "README.md",
                                                           *DOCKERFILES, *(ROOT / "docs").glob("*.md")]}
     seen = 0
     for path, text in texts.items():
@@ -193,12 +282,12 @@ def test_one_image_tag_everywhere(compose):
             seen += 1
             assert m.group(2) == f":{tag}", f"{path}: {m.group(0)} (want :{tag})"
     assert seen >= 6
-    images = {svc["image"] for svc in compose["services"].values() if svc.get("image", "").startswith("llm-qos/")}
+    images = {svc["image"] for svc in merged(compose, two_gpus)["services"].values() if svc.get("image", "").startswith("llm-qos/")}
     assert images == {f"llm-qos/proxy:{tag}", f"llm-qos/engine-lightllm:{tag}", f"llm-qos/engine-cpu:{tag}"}
 
 
-def test_every_build_points_at_an_existing_dockerfile(compose):
-    for name, svc in compose["services"].items():
+def test_every_build_points_at_an_existing_dockerfile(compose, two_gpus):
+    for name, svc in merged(compose, two_gpus)["services"].items():
         build = svc.get("build")
         if build is None:
             continue

@@ -20,7 +20,9 @@ from proxy.pool_config import CATCH_ALL, DEFAULT_POOL
 from tests.conftest import base_config
 
 REPO = Path(__file__).resolve().parent.parent
-SHIPPED = [REPO / "proxy" / "default_config.yaml", *sorted((REPO / "config").glob("*.yaml"))]
+# the single-upstream configs shipped; config/config.cpu.yaml is a pool over the cpu
+# profile's two engines (tests/test_docker_files.py)
+SHIPPED = [REPO / "proxy" / "default_config.yaml", REPO / "config" / "config.yaml"]
 
 
 def pools_config(**over) -> dict:
@@ -63,6 +65,11 @@ def test_every_shipped_config_is_one_catch_all_pool_of_its_upstream(path):
     assert (engine.url, engine.kind) == (cfg.upstream.url, cfg.upstream.kind)
     assert (engine.max_inflight, engine.max_inflight_tokens) == (cfg.admission.max_inflight, cfg.admission.max_inflight_tokens)
     assert engine.priority_field is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_of_the_compose_stacks_loads(path):
+    load_config(path)
 
 
 def _docs_yaml_blocks() -> list[tuple[str, str]]:
