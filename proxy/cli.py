@@ -144,7 +144,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     async def start(plan) -> asyncio.subprocess.Process:
         what = "the engine" if len(plans) == 1 else f"engine {plan.index}"
-        print(f"llm-qos up: starting {what} ({' '.join(plan.argv[1:])})", flush=True)
+        _say(f"llm-qos up: starting {what} ({' '.join(plan.argv[1:])})")
         env = {**os.environ, **plan.env} if plan.env else None
         proc = await asyncio.create_subprocess_exec(*plan.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True, env=env)
         engines.append(proc)
@@ -165,23 +165,33 @@ async def _up(args: argparse.Namespace) -> int:
                 if not ok:
                     code = await e.wait()  # its stdout ended: it exited (or is about to)
                     what = "the engine" if len(plans) == 1 else f"engine {plan.index}"
-                    print(f"llm-qos up: {what} exited with status {code} before it was ready", file=sys.stderr, flush=True)
+                    _say(f"llm-qos up: {what} exited with status {code} before it was ready", err=True)
             return 1
-        print(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {', '.join(urls)}", flush=True)
+        _say(f"llm-qos up: starting the proxy on http://{args.host}:{args.port} -> {', '.join(urls)}")
         proxy = await asyncio.create_subprocess_exec(*proxy_cmd, start_new_session=True)
-        waits = [asyncio.create_task(p.wait()) for p in (*engines, proxy)]
+        named = {"the proxy": proxy} | (
+            {"the engine": engines[0]} if len(engines) == 1 else {f"engine {p.index}": e for p, e in zip(plans, engines)}
+        )
+        waits = {asyncio.create_task(p.wait()): name for name, p in named.items()}
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({*waits, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for t in (*waits, stopping):
             t.cancel()
         if stopping in done:
             return 0
-        print("llm-qos up: a process exited; stopping the others", file=sys.stderr, flush=True)
+        gone = [name for name, p in named.items() if p.returncode is not None]
+        what = "; ".join(f"{name} {_exit_status(named[name].returncode, name != 'the proxy')}" for name in gone)
+        others = [name for name in named if name not in gone]
+        _say(f"llm-qos up: {what}" + (f"; stopping {_and(others)}" if others else ""), err=True)
         return 1
     finally:
-        await _terminate(proxy, "proxy", 35.0)
-        names = ["engine"] if len(engines) == 1 else [f"engine {i}" for i in range(len(engines))]
-        await asyncio.gather(*(_terminate(e, n, 15.0) for e, n in zip(engines, names)))
+        # signals before words: a terminal that hung up fails every write (EIO), and the
+        # proxy and the engines, in sessions of their own, would outlive us
+        try:
+            await _terminate(proxy, "proxy", 35.0)
+        finally:
+            names = ["engine"] if len(engines) == 1 else [f"engine {i}" for i in range(len(engines))]
+            await asyncio.gather(*(_terminate(e, n, 15.0) for e, n in zip(engines, names)))
 
 
 def _engine_plans(args: argparse.Namespace) -> list:
@@ -239,9 +249,9 @@ async def _wait_line(proc: asyncio.subprocess.Process, marker: str, stop: asynci
             line = await proc.stdout.readline()
             if not line:
                 return False
-            sys.stdout.write(line.decode(errors="replace"))
-            sys.stdout.flush()
-            if marker in line.decode(errors="replace"):
+            text = line.decode(errors="replace")
+            _say(text, end="")
+            if marker in text:
                 return True
 
     reader = asyncio.create_task(read_until())
@@ -258,28 +268,72 @@ async def _wait_line(proc: asyncio.subprocess.Process, marker: str, stop: asynci
 
 
 async def _echo(proc: asyncio.subprocess.Process) -> None:
+    """Pass the rest of ``proc``'s stdout on (its pipe must be read, or the engine blocks
+    on a full pipe once our terminal is gone)."""
     assert proc.stdout is not None
     while line := await proc.stdout.readline():
-        sys.stdout.write(line.decode(errors="replace"))
-        sys.stdout.flush()
+        _say(line.decode(errors="replace"), end="")
+
+
+def _say(text: str, *, err: bool = False, end: str = "\n") -> None:
+    """Write one of ``up``'s lines (or a child's, passed on) to stdout or stderr, never
+    failing: once the terminal has hung up every write fails with EIO (a closed pipe: EPIPE),
+    and a write's error must not cut the stopping of the proxy and the engines short.
+    After such an error the stream's file descriptor is pointed at /dev/null, so the rest
+    of the output (and the interpreter's final flush) is dropped quietly."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        stream.write(text + end)
+        stream.flush()
+    except (BlockingIOError, InterruptedError):
+        pass  # transient: this line is lost, the next may pass
+    except (OSError, ValueError):  # EIO, EPIPE...; ValueError: the stream was closed
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError):
+            pass
+
+
+def _exit_status(code: int, engine: bool) -> str:
+    """How a child of ``up`` ended, in words ("exited with status 3 (...)")."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    from engine_server.supervisor import EXIT_GAVE_UP, EXIT_NOT_READY
+
+    why = {EXIT_GAVE_UP: "its supervisor gave up after repeated crashes, see --crash-limit",
+           EXIT_NOT_READY: "it was not ready in time"}.get(code) if engine else None
+    return f"exited with status {code}" + (f" ({why})" if why else "")
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 async def _terminate(proc: asyncio.subprocess.Process | None, name: str, grace_s: float) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL after ``grace_s``; each signal is sent
+    before the line that tells it (see :func:`_say`)."""
     if proc is None or proc.returncode is not None:
         return
-    print(f"llm-qos up: stopping the {name}", flush=True)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    _say(f"llm-qos up: stopping the {name}")
     try:
         await asyncio.wait_for(proc.wait(), grace_s)
     except TimeoutError:
-        print(f"llm-qos up: the {name} did not stop within {grace_s:g} s; killing it", file=sys.stderr, flush=True)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _say(f"llm-qos up: the {name} did not stop within {grace_s:g} s; killed it", err=True)
         await proc.wait()
 
 

@@ -6,11 +6,16 @@ it) and behind ``llm-qos up``. Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +157,31 @@ def test_up_passes_the_crash_limit_to_the_engine_and_fails_when_it_gives_up(tmp_
     assert len(starts(tmp_path / "starts.jsonl")) == 2
 
 
+def test_up_names_the_process_that_exited_and_its_status(tmp_path):
+    """The engine gives up after it was ready (here: one crash with --crash-limit 1): ``up``
+    says which process ended and how, then stops the proxy."""
+    proxy_port = free_port()
+    cmd = [sys.executable, "-m", "proxy", "up", "--backend", "lightllm", "--model", str(tmp_path / "model"),
+           "--port", str(proxy_port), "--engine-port", str(free_port()), "--crash-limit", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / "launcher.log", "w"), text=True, preexec_fn=die_with_parent)
+    try:
+        wait_for_line(proc, "llm-qos up: starting the proxy", 60, "up", lambda: _log(tmp_path))
+        deadline = time.monotonic() + 30
+        while not _http_ok(f"http://127.0.0.1:{proxy_port}/health"):
+            assert time.monotonic() < deadline, "the proxy never answered /health"
+            time.sleep(0.2)
+        (engine,) = starts(tmp_path / "starts.jsonl")
+        os.kill(engine["pid"], signal.SIGKILL)
+        assert proc.wait(60) == 1, _log(tmp_path)
+        assert ("llm-qos up: the engine exited with status 3 (its supervisor gave up after repeated crashes, "
+                "see --crash-limit); stopping the proxy") in _log(tmp_path)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", proxy_port)) != 0, "the proxy outlived llm-qos up"
+    finally:
+        _stop(proc)
+
+
 # ------------------------------------------------------------------------ SIGHUP
 
 
@@ -224,6 +254,114 @@ def test_sighup_to_up_stops_the_proxy_and_the_engine(tmp_path):
             assert s.connect_ex(("127.0.0.1", proxy_port)) != 0, "the proxy outlived llm-qos up"
     finally:
         _stop(proc)
+
+
+def _on_a_terminal_of_its_own(slave: int):
+    """``preexec_fn``: the child leads a new session whose controlling terminal is the pty
+    ``slave`` (as a shell's job on a terminal), so closing the master hangs it up."""
+
+    def setup() -> None:
+        die_with_parent()
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    return setup
+
+
+class _Terminal:
+    """The master side of a pty, read in a thread (a full pty buffer would block the
+    writer); :meth:`hang_up` closes it, as a closed terminal window does."""
+
+    def __init__(self, master: int) -> None:
+        self.master = master
+        self.text = ""
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._closing.is_set():
+            ready, _, _ = select.select([self.master], [], [], 0.05)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: no process holds the slave open any more
+                return
+            if not chunk:
+                return
+            self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, marker: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in self.text:
+            assert time.monotonic() < deadline, f"no {marker!r} on the terminal:\n{self.text[-3000:]}"
+            time.sleep(0.05)
+
+    def hang_up(self) -> None:
+        self._closing.set()
+        self._thread.join(5)
+        os.close(self.master)
+
+
+def test_up_on_a_terminal_that_hangs_up_stops_the_proxy_and_the_engine(tmp_path):
+    """A closed terminal: every write of ``up`` to it fails with EIO from then on, and
+    SIGHUP arrives. ``up`` used to print "stopping the proxy" before signalling it, so the
+    write's OSError left its clean-up before any kill, and the proxy and the engine (in
+    sessions of their own) lived on."""
+    proxy_port = free_port()
+    cmd = [sys.executable, "-m", "proxy", "up", "--backend", "lightllm", "--model", str(tmp_path / "model"),
+           "--port", str(proxy_port), "--engine-port", str(free_port())]
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(tmp_path), stdin=slave, stdout=slave, stderr=slave,
+                                preexec_fn=_on_a_terminal_of_its_own(slave))
+    finally:
+        os.close(slave)
+    term = _Terminal(master)
+    try:
+        term.wait_for("llm-qos up: starting the proxy", 60)
+        deadline = time.monotonic() + 30
+        while not _http_ok(f"http://127.0.0.1:{proxy_port}/health"):
+            assert time.monotonic() < deadline, "the proxy never answered /health"
+            time.sleep(0.2)
+        (engine,) = starts(tmp_path / "starts.jsonl")
+        term.hang_up()  # the kernel sends SIGHUP to the session's leader, ``up``
+        proc.send_signal(signal.SIGHUP)  # and again, in case this kernel did not
+        try:
+            assert proc.wait(60) == 0  # a stop asked for, not a failure (no exit 120 from a failed final flush)
+        except subprocess.TimeoutExpired:
+            pytest.fail("llm-qos up did not exit after its terminal hung up")
+        assert _wait_gone(engine["pid"], 30), "the engine outlived llm-qos up"
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", proxy_port)) != 0:
+                    break
+            assert time.monotonic() < deadline, "the proxy outlived llm-qos up"
+            time.sleep(0.1)
+    finally:
+        if not term._closing.is_set():
+            term.hang_up()
+        _stop(proc)
+        for pid in _started_by_this_test(tmp_path):  # what would be orphans should it fail
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _started_by_this_test(tmp_path: Path) -> list[int]:
+    """Pids of the live processes whose environment names this test's fake-engine log:
+    ``up``, the proxy, the engine launcher and the fake engine all inherit it."""
+    mark = f"FAKE_ENGINE_LOG={tmp_path / 'starts.jsonl'}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
 
 
 # ------------------------------------------------------------------- readiness
