@@ -49,10 +49,12 @@ def create_app(
 ) -> web.Application:
     """Build the proxy application for ``config``.
 
-    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``,
-    ``POST /generate_stream`` (LightLLM native), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
-    ``GET /ready``, ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see
-    :mod:`proxy.admin`) and the live dashboard ``/admin/dashboard`` (see :mod:`proxy.dashboard`).
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
+    ``POST /v1/responses``, ``POST /generate``, ``POST /generate_stream`` (LightLLM native),
+    ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /ready``,
+    ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see :mod:`proxy.admin`), the live
+    dashboard ``/admin/dashboard`` (see :mod:`proxy.dashboard`), and every other path under
+    ``/v1/`` (pass-through, 404 unless ``passthrough.enabled``).
 
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
     that is how a client's disconnect reaches the handler and aborts the upstream.
@@ -71,9 +73,12 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_post("/v1/embeddings", handlers.embeddings)
+    app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_get("/openapi.json", openapi.openapi)
     admin.add_routes(app)
     dashboard.add_routes(app)
+    app.router.add_route("*", "/v1/{path:.*}", handlers.passthrough)  # last: every other /v1/ path
 
     async def start_upstream(app: web.Application) -> None:
         state.start()  # every engine's connections and health checks

@@ -29,7 +29,6 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Callable
 
 import aiohttp
 import orjson
@@ -45,8 +44,10 @@ from .errors import error_response
 from .model_routing import ModelTable, Route, model_error, parse_models_body
 from .relay import Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of
-from .request_body import BadRequest, ParsedRequest, PromptCosts, cap_max_tokens, parse_chat, parse_completion, parse_generate
-from .request_kinds import prompt_prefix
+from . import request_kinds as kinds
+from .admission import NoEngine
+from .request_body import BadRequest, ParsedRequest
+from .request_kinds import RequestKind, prompt_prefix
 from .router import EngineState, affinity_key
 from .sse import EventTooLarge
 from .state import ProxyState
@@ -71,15 +72,13 @@ def _refusal_response(r: Refused) -> web.Response:
     return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s, extra=extra)
 
 
-async def handle_generation(
-    request: web.Request, parse: Callable[[bytes, PromptCosts], ParsedRequest], path: str, native: bool = False
-) -> web.StreamResponse:
-    """Admit, forward and relay one generation request to ``path`` upstream; every
-    answer carries ``X-Request-Id`` and makes one access-log line."""
+async def handle_generation(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    """Admit, forward and relay one request of ``kind`` (:mod:`proxy.request_kinds`);
+    every answer carries ``X-Request-Id`` and makes one access-log line."""
     loop = asyncio.get_running_loop()
     ex = Exchange(arrived_at=loop.time(), request_id=request_id_of(request.headers))
     try:
-        resp = await _generation(request, ex, parse, path, native)
+        resp = await _generation(request, ex, kind)
         if not resp.prepared:
             if REQUEST_ID not in resp.headers:
                 resp.headers[REQUEST_ID] = ex.request_id
@@ -96,10 +95,10 @@ async def handle_generation(
         loop.call_soon(_log_access, ex, loop.time())
 
 
-async def _generation(
-    request: web.Request, ex: Exchange, parse: Callable[[bytes], ParsedRequest], path: str, native: bool
-) -> web.StreamResponse:
+async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> web.StreamResponse:
     state = request.app[STATE]
+    native = kind.native
+    path = kind.path if kind.path is not None else request.raw_path.partition("?")[0]
     loop = asyncio.get_running_loop()
     try:
         raw = await request.read()
@@ -117,11 +116,11 @@ async def _generation(
         return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
     group_name = ex.group = ident.group or active.config.default_group
     try:
-        parsed = parse(raw, active.config.cost)
+        parsed = kind.parse(raw, active.config)
         cap = active.config.group(group_name).max_tokens
-        if cap is not None:
-            parsed = cap_max_tokens(parsed, cap, active.config.limits.max_tokens_action == "reject")
-        if not native:
+        if cap is not None and kind.cap is not None:
+            parsed = kind.cap(parsed, cap, active.config.limits.max_tokens_action == "reject")
+        if kind.proxy_fields:
             stream_options_of(parsed.fields)  # a bad one is the client's 400, before any wait
     except BadRequest as e:
         state.metrics.requests.labels(group_name, m.OUTCOME_BAD_REQUEST).inc()
@@ -146,8 +145,15 @@ async def _generation(
         session = request.headers.get(aff.session_header) if aff.session_header else None
         key = affinity_key(pool.spec.routing, session, prompt_prefix(parsed.fields, aff.prefix_chars) if aff.prefix_chars else None)
 
+    admitted = not (kind.opaque and not active.config.passthrough.admit)
     try:
-        ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, pool=route.pool, key=key)
+        if admitted:
+            ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, pool=route.pool, key=key)
+        else:  # passthrough.admit: false: straight to an engine, outside admission
+            ticket = None
+            engine = pool.router.choose(0, key, over=True)
+            if engine is None:
+                raise NoEngine(pool.name, pool.router.retry_after_s())
     except Refused as r:
         ex.queue_wait = loop.time() - ex.arrived_at
         state.metrics.rejections.labels(group_name, r.reason.value).inc()
@@ -160,24 +166,28 @@ async def _generation(
         ex.outcome, ex.detail = m.OUTCOME_CLIENT_GONE, "while queued"
         raise
 
-    ex.group = ticket.group
+    if ticket is not None:
+        ex.group = ticket.group
+        engine = ticket.placement
     ex.queue_wait = loop.time() - ex.arrived_at
     upstream = None
-    engine = ticket.placement
     aborted = False
     query = raw_query(request)
     try:
         tried = []
         while True:
-            plan = _engine_plan(parsed, engine, route, native, admission.policy, ticket.group)
+            plan = _engine_plan(parsed, engine, route, kind, admission.policy, ex.group)
             try:
-                upstream, plan = await _open(engine, path, plan, ex, query, native)
+                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native)
                 break
             except UpstreamError as e:
                 if e.unsent:  # it never reached the engine: another one may take it
                     admission.report(engine, False, "connect", e.message)
                     tried.append(engine)
-                    nxt = admission.reroute(ticket, tried)
+                    if ticket is not None:
+                        nxt = admission.reroute(ticket, tried)
+                    else:
+                        nxt = pool.router.choose(0, key, exclude=tried, over=True)
                     if nxt is not None:
                         log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
                         engine = nxt
@@ -194,15 +204,17 @@ async def _generation(
         if coding not in DECODED_CODINGS:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, "upstream_bad_response"
             return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
-        is_json = "json" in upstream.headers.get("Content-Type", "").lower()
-        if parsed.stream and upstream.status == 200 and not is_json:
-            progress = lambda n: admission.record_output(ticket, n)  # noqa: E731
+        ctype = upstream.headers.get("Content-Type", "").lower()
+        is_json = "json" in ctype
+        streamed = parsed.stream or (kind.opaque and "text/event-stream" in ctype)
+        if streamed and upstream.status == 200 and not is_json:
+            progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
             return await relay_stream(
                 request,
                 upstream,
                 ex,
                 progress,
-                native=native,
+                kind.scanner(),
                 write_timeout_s=active.config.limits.client_write_timeout_s,
                 choices=choices_of(parsed.fields),
                 strip_usage=plan.strip_usage,
@@ -239,7 +251,8 @@ async def _generation(
             state.metrics.upstream_aborts.labels(ex.outcome or m.ABORT_UNKNOWN).inc()
         if ex.output_tokens == 0 and ex.outcome in _NOTHING_SERVED:
             ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
-        admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
+        if ticket is not None:
+            admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
         # metrics after the response has gone out, off its latency
         loop.call_soon(_account, state, ex, parsed)
 
@@ -254,24 +267,33 @@ def native_route(models: ModelTable, model: object) -> Route | None:
     return Route(default) if default is not None else None
 
 
-def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, native: bool, policy, group: str) -> UpstreamBody:
+def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, kind: RequestKind, policy, group: str) -> UpstreamBody:
     """The body to send ``engine`` (bind late: built once the engine is known): the
-    alias's model name and the two-level priority (:mod:`proxy.engine_body`), then the
-    proxy's own stream settings for that engine (:mod:`proxy.upstream_body`)."""
-    if native:
+    alias's model name and the two-level priority (:mod:`proxy.engine_body`; a
+    pass-through body gets only the alias, and only when it is a JSON object that names a
+    model), then, for chat and completions, the proxy's own stream settings for that
+    engine (:mod:`proxy.upstream_body`)."""
+    if kind.native:
         return UpstreamBody(parsed.body)
     spec = engine.spec
     priority = None
-    if spec.priority_field is not None:
+    if spec.priority_field is not None and not kind.opaque:
         priority = (spec.priority_field, priority_value(policy.group_index(group), len(policy.groups), spec.priority_order))
-    if route.upstream_model is not None or priority is not None:
-        body = body_for_engine(parsed.body, parsed.fields, route.upstream_model, priority)
+    alias = route.upstream_model if "model" in parsed.fields else None
+    if alias is not None or priority is not None:
+        body = body_for_engine(parsed.body, parsed.fields, alias, priority)
         parsed = replace(parsed, body=body, fields=orjson.loads(body))
-    return plan_upstream_body(parsed, spec.upstream, engine.client.accepts_stream_options, native)
+    if not kind.proxy_fields:
+        return UpstreamBody(parsed.body)
+    return plan_upstream_body(parsed, spec.upstream, engine.client.accepts_stream_options, False)
+
+
+def _no_progress(tokens: int) -> None:
+    """Progress of a request outside admission: nothing to record."""
 
 
 async def _open(
-    engine: EngineState, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool
+    engine: EngineState, method: str, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool
 ) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
     """Open the upstream request for ``plan`` on ``engine``. An engine that rejects the
     proxy's own ``stream_options`` (a 400/417/422 whose body names it) gets the request
@@ -281,7 +303,7 @@ async def _open(
         UpstreamError: as :meth:`proxy.upstream.Upstream.open`.
     """
     up = engine.client
-    upstream = await up.open("POST", path, plan.body, query=query, request_id=ex.request_id)
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id)
     if plan.fallback is None or native or upstream.status not in REJECTED:
         return upstream, plan
     try:
@@ -294,7 +316,7 @@ async def _open(
     upstream.release()
     first = upstream.status
     plan = plan.without_stream_options()
-    upstream = await up.open("POST", path, plan.body, query=query, request_id=ex.request_id)
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id)
     if upstream.status not in REJECTED:
         up.reject_stream_options(first)
     return upstream, plan
@@ -362,12 +384,59 @@ def _log_access(ex: Exchange, now: float) -> None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (streaming and not)."""
-    return await handle_generation(request, parse_chat, "/v1/chat/completions")
+    return await handle_generation(request, kinds.CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (streaming and not)."""
-    return await handle_generation(request, parse_completion, "/v1/completions")
+    return await handle_generation(request, kinds.COMPLETION)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/embeddings``: admitted at its prompt's cost (it generates nothing),
+    relayed as the engine answers; the engine's ``usage.prompt_tokens`` trues it up."""
+    return await handle_generation(request, kinds.EMBEDDINGS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI's Responses API, streaming and not): admitted and
+    relayed like chat; a stream ends with the engine's own terminal event (no
+    ``[DONE]``), a cut one with a terminal ``error`` event."""
+    return await handle_generation(request, kinds.RESPONSES)
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Any other path under ``/v1/``, any method: with ``passthrough.enabled``, sent to
+    an engine (the pool of a JSON body's ``model``, else the catch-all or only pool),
+    admitted at ``passthrough.cost_tokens`` unless ``passthrough.admit`` is false, and
+    relayed as the engine answers; off (the default), ``404`` as for any unknown route.
+    A path with a ``.`` or ``..`` segment is never passed (``404``)."""
+    allowed = await _own_methods(request)
+    if allowed:  # one of the proxy's own routes, with another method
+        resp = error_response(405, f"method {request.method} not allowed on {request.path}", code="method_not_allowed")
+        resp.headers["Allow"] = ",".join(sorted(allowed))
+        return resp
+    if not request.app[STATE].active.config.passthrough.enabled or not _plain_v1_path(request.path):
+        return error_response(404, f"no route {request.method} {request.path}", code="not_found")
+    return await handle_generation(request, kinds.PASSTHROUGH)
+
+
+async def _own_methods(request: web.Request) -> set[str]:
+    """The methods the proxy's own routes take on this path (empty: none of them is
+    this path), from the app's router (``aiohttp.web.AbstractResource.resolve``)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.canonical == "/v1/{path}":  # this catch-all itself
+            continue
+        _match, methods = await resource.resolve(request)
+        allowed |= methods
+    return allowed
+
+
+def _plain_v1_path(path: str) -> bool:
+    """Whether ``path`` (decoded) is under ``/v1/`` with no dot segment (RFC 3986 §3.3:
+    an engine or a server in front of it could resolve ``..`` out of ``/v1/``)."""
+    return path.startswith("/v1/") and not any(seg in (".", "..") for seg in path.split("/"))
 
 
 def _native_unavailable(request: web.Request) -> web.Response | None:
@@ -383,14 +452,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if the body names a listed one, else the catch-all pool, has only lightllm engines)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw, costs: parse_generate(raw, False, costs), "/generate", native=True)
+    return await handle_generation(request, kinds.GENERATE)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """LightLLM native ``POST /generate_stream`` (as :func:`generate`)."""
     if (unavailable := _native_unavailable(request)) is not None:
         return unavailable
-    return await handle_generation(request, lambda raw, costs: parse_generate(raw, True, costs), "/generate_stream", native=True)
+    return await handle_generation(request, kinds.GENERATE_STREAM)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -57,6 +57,33 @@ _COMPLETION = {
         "max_tokens": _MAX,
     },
 }
+_EMBEDDINGS = {
+    "type": "object",
+    "additionalProperties": True,
+    "required": ["input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+            ]
+        },
+    },
+}
+_RESPONSES = {
+    "type": "object",
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"},
+        "stream": {"type": "boolean"},
+        "max_output_tokens": _MAX,
+    },
+}
 _GENERATE = {
     "type": "object",
     "required": ["inputs", "parameters"],
@@ -94,6 +121,8 @@ DOCUMENT = {
     "paths": {
         "/v1/chat/completions": _post("OpenAI chat completions, admitted by priority and token-fair share", _CHAT),
         "/v1/completions": _post("OpenAI text completions", _COMPLETION),
+        "/v1/embeddings": _post("OpenAI embeddings, admitted at their prompt's cost", _EMBEDDINGS),
+        "/v1/responses": _post("OpenAI Responses API (streaming: the engine's typed events, no [DONE])", _RESPONSES),
         "/generate": _post("LightLLM native generation", _GENERATE),
         "/generate_stream": _post("LightLLM native streaming generation", _GENERATE),
         "/v1/models": _get("the models served: the upstream's own, or every pool's"),

@@ -17,8 +17,15 @@ The relay tells the truth about how a stream ended (``shared/interop/lightllm.md
   nothing added;
 * an in-band error event (``data: {"error": ...}``) is relayed as the engine sent it, with
   nothing added, and counted ``upstream_error``;
+* a Responses API stream ends with its own terminal event (``response.completed`` or
+  ``.incomplete``; ``response.failed`` and ``error`` are in-band errors) and never gets a
+  ``[DONE]``; a cut one gets a terminal ``error`` event, numbered after the last one;
 * every other end (no events at all, no ``finish_reason``, a broken connection, an idle
-  upstream) gets a terminal error event and is counted ``upstream_error``.
+  upstream) gets a terminal error event and is counted ``upstream_error``;
+* a pass-through path's stream is relayed as bytes, with nothing added: when it breaks,
+  the client's connection is dropped (the proxy cannot speak its format).
+
+Each format's rules are its scanner's (:class:`StreamScanner`); the relay applies them.
 
 Response headers are the upstream's, filtered by :mod:`proxy.relay_headers`.
 """
@@ -27,20 +34,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from .errors import sse_error_event
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay_headers import REQUEST_ID, client_headers
-from .sse import EventTooLarge, SSEScanner, UsageStripper, error_of
+from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
-DONE_EVENT = b"data: [DONE]\n\n"
-
-__all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "relay_body", "relay_stream", "usage_of"]
+__all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "StreamScanner", "relay_body", "relay_stream", "usage_of"]
 
 
 @dataclass(slots=True)
@@ -89,7 +93,8 @@ def _is_count(v: object) -> bool:
 def usage_of(body: bytes, native: bool) -> tuple[int | None, int | None]:
     """(prompt_tokens, output_tokens) reported in a non-streaming answer, or Nones.
 
-    OpenAI: ``usage.prompt_tokens`` / ``usage.completion_tokens``. LightLLM native
+    OpenAI: ``usage.prompt_tokens`` / ``usage.completion_tokens`` (embeddings: the first
+    alone; the Responses API: ``usage.input_tokens`` / ``usage.output_tokens``). LightLLM native
     ``/generate``: ``count_output_tokens`` (a list when ``n`` > 1: summed) and, on
     LightLLM main, ``prompt_tokens``.
     """
@@ -112,6 +117,8 @@ def _usage(obj: object, native: bool) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
     p, o = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if p is None and o is None:  # the Responses API's names
+        p, o = usage.get("input_tokens"), usage.get("output_tokens")
     return (p if _is_count(p) else None), (o if _is_count(o) else None)
 
 
@@ -122,6 +129,32 @@ def note_upstream_id(ex: Exchange, headers) -> None:
         ex.upstream_request_id = rid[:128]
 
 
+class StreamScanner(Protocol):
+    """What :func:`relay_stream` asks of the scanner that follows a stream's format.
+
+    Attributes:
+        tokens: output tokens so far; prompt_tokens: reported prompt tokens, or ``None``;
+        error: an in-band error the engine reported (``{"message": ...}``), or ``None``;
+        partial: bytes of an unterminated event are pending.
+    """
+
+    tokens: int
+    prompt_tokens: int | None
+    error: dict | None
+    partial: bool
+
+    def feed(self, chunk: bytes) -> None: ...
+    def end(self) -> None: ...
+    def complete(self, choices: int = 1) -> bool:
+        """Whether the stream really finished (its format's own end was seen)."""
+    def closing(self) -> bytes:
+        """Bytes to add to a finished stream (``data: [DONE]`` where it carried none)."""
+    def cut(self, message: str, code: str) -> bytes | None:
+        """The terminal error event of an unfinished stream, or ``None``: drop the connection."""
+    def unfinished(self) -> str:
+        """Why an ended stream is not complete (the access log's detail)."""
+
+
 _UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError, EventTooLarge)
 
 
@@ -130,7 +163,7 @@ async def relay_stream(
     upstream: aiohttp.ClientResponse,
     ex: Exchange,
     on_progress: Callable[[int], None],
-    native: bool = False,
+    scanner: StreamScanner,
     write_timeout_s: float = 60.0,
     choices: int = 1,
     strip_usage: bool = False,
@@ -142,7 +175,11 @@ async def relay_stream(
         upstream: the upstream response, body unread.
         ex: updated with status, first-byte time, token counts and the outcome.
         on_progress: called with the cumulative output token count as it grows.
-        native: LightLLM native stream semantics (see module docstring).
+        scanner: follows the stream in its format and says how it ended
+            (:class:`StreamScanner`: OpenAI-style or LightLLM native,
+            :class:`proxy.sse.SSEScanner`; Responses API,
+            :class:`proxy.request_kinds.ResponsesStreamScanner`; a pass-through path's,
+            :class:`proxy.sse.OpaqueStream`).
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
         choices: how many choices the client asked for (``n``): each must get its
             ``finish_reason`` for a stream without ``[DONE]`` to count as finished.
@@ -169,7 +206,6 @@ async def relay_stream(
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     await resp.prepare(request)
     ex.status = upstream.status
-    scanner = SSEScanner(native)
     stripper = UsageStripper() if strip_usage else None
     watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
@@ -193,12 +229,12 @@ async def relay_stream(
             held = stripper.flush() if stripper is not None else b""
             pad = b"\n\n" if held.strip() or scanner.partial else b""
             if isinstance(e, TimeoutError):
-                ending = sse_error_event("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
+                cut = scanner.cut("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
             elif isinstance(e, EventTooLarge):
-                ending = sse_error_event(str(e), "upstream_event_too_large")
+                cut = scanner.cut(str(e), "upstream_event_too_large")
             else:
-                ending = sse_error_event("the upstream connection failed mid-stream", "upstream_stream_broken")
-            ending = held + pad + ending
+                cut = scanner.cut("the upstream connection failed mid-stream", "upstream_stream_broken")
+            ending = None if cut is None else held + pad + cut
         else:
             ex.upstream_ended = True
             held = stripper.flush() if stripper is not None else b""
@@ -212,17 +248,15 @@ async def relay_stream(
                 ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
             elif scanner.complete(choices):
                 ex.outcome = OUTCOME_OK
-                if not native and not scanner.done:
-                    ending += DONE_EVENT
+                ending += scanner.closing()
             else:
-                ex.outcome = OUTCOME_UPSTREAM_ERROR
-                if native:
-                    ex.detail = "native stream ended without finished:true"
-                elif scanner.events == 0:
-                    ex.detail = "stream ended without any event"
-                else:
-                    ex.detail = "stream ended without finish_reason or [DONE]"
-                ending += sse_error_event("the upstream stream ended before it finished", "upstream_stream_incomplete")
+                ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, scanner.unfinished()
+                cut = scanner.cut("the upstream stream ended before it finished", "upstream_stream_incomplete")
+                ending = None if cut is None else ending + cut
+        if ending is None:  # a format the proxy cannot end in: the client sees the break
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
         watchdog.pending_since = loop.time()
         if ending:
             await resp.write(ending)
@@ -271,7 +305,7 @@ class _WriteWatchdog:
         self._handle.cancel()
 
 
-def _take_counts(ex: Exchange, scanner: SSEScanner) -> None:
+def _take_counts(ex: Exchange, scanner: StreamScanner) -> None:
     ex.output_tokens = scanner.tokens
     if scanner.prompt_tokens is not None:
         ex.prompt_tokens = scanner.prompt_tokens

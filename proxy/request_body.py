@@ -123,7 +123,8 @@ def _opt_bool(obj: dict, key: str) -> bool:
     return v
 
 
-def _text_tokens(chars: int) -> int:
+def text_tokens(chars: int) -> int:
+    """The token estimate of ``chars`` characters of text: ``ceil(chars / CHARS_PER_TOKEN)``."""
     return (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
@@ -229,7 +230,7 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
         body=raw,
         stream=_opt_bool(obj, "stream"),
         max_tokens=max(caps) if caps else None,
-        prompt_tokens=_text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * len(messages),
+        prompt_tokens=text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * len(messages),
         fields=obj,
         choices=_multiplier(obj, "n"),
     )
@@ -267,7 +268,7 @@ def parse_completion(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRe
         body=raw,
         stream=_opt_bool(obj, "stream"),
         max_tokens=_opt_int(obj, "max_tokens"),
-        prompt_tokens=_text_tokens(chars) + tokens,
+        prompt_tokens=text_tokens(chars) + tokens,
         fields=obj,
         choices=_multiplier(obj, "n", "best_of") * prompts,
     )
@@ -297,7 +298,7 @@ def parse_generate(raw: bytes, stream: bool, costs: PromptCosts = DEFAULT_COSTS)
         body=raw,
         stream=stream,
         max_tokens=max_new,
-        prompt_tokens=_text_tokens(len(inputs)),
+        prompt_tokens=text_tokens(len(inputs)),
         fields=obj,
         choices=_multiplier(params, "n", "best_of"),
     )

@@ -1,12 +1,14 @@
-"""The OpenAI routes besides chat and completions: parsing ``POST /v1/embeddings``,
+"""The kinds of request the proxy admits (:class:`RequestKind`, one per route: chat,
+completions, LightLLM's native routes, embeddings, the Responses API, pass-through), and
+the OpenAI routes besides chat and completions: parsing ``POST /v1/embeddings``,
 ``POST /v1/responses`` and pass-through requests for admission, the start of a prompt for
 engine affinity, and reading the Responses API's answers and typed event stream.
 
-Parsers return :class:`proxy.request_body.ParsedRequest`, like the chat and completion
-parsers beside them, with the same estimate of prompt size (characters / 4). To unify
-with :mod:`proxy.request_body` later: one text-to-tokens estimate (``_tokens`` here,
-``_text_tokens`` there), and ``cap_max_tokens`` taking the output-cap field of the kind
-(``max_output_tokens`` for Responses: :func:`cap_max_output_tokens` here).
+Parsers return :class:`proxy.request_body.ParsedRequest` and take the same arguments as
+the chat and completion parsers beside them, with the same prompt estimate
+(:func:`proxy.request_body.text_tokens`, the same per-image and per-media costs). A
+group's output cap is written in the kind's own field (``max_output_tokens`` for
+Responses: :func:`cap_max_output_tokens`).
 
 Sources for the shapes: the OpenAI API reference and its Python SDK's generated types
 (``openai`` 1.x/3.x: ``types/embedding_create_params.py``, ``types/responses/
@@ -18,10 +20,30 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import orjson
 
-from .request_body import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS, BadRequest, ParsedRequest
+from .errors import responses_error_event
+from .request_body import (
+    DEFAULT_COSTS,
+    IMAGE_PARTS,
+    MEDIA_PARTS,
+    MESSAGE_OVERHEAD_TOKENS,
+    BadRequest,
+    ParsedRequest,
+    PromptCosts,
+    cap_max_tokens,
+    json_chars,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    text_tokens,
+)
+from .sse import MAX_EVENT_BYTES, EventTooLarge, OpaqueStream, SSEScanner, parse_event, split_events
+
+if TYPE_CHECKING:
+    from .config import Config
 
 #: OpenAI: an embeddings ``input`` array holds at most 2048 entries.
 MAX_EMBEDDING_INPUTS = 2048
@@ -31,10 +53,6 @@ MAX_EMBEDDING_INPUTS = 2048
 _TEXT_KEYS = frozenset({"content", "text", "output", "arguments"})
 #: Terminal events of a Responses stream (no ``[DONE]`` follows them).
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
-
-
-def _tokens(chars: int) -> int:
-    return (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
 def _object(raw: bytes) -> dict:
@@ -63,13 +81,14 @@ def _is_token_id(v: object) -> bool:
 # --------------------------------------------------------------- embeddings
 
 
-def parse_embeddings(raw: bytes) -> ParsedRequest:
+def parse_embeddings(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     """Parse a ``POST /v1/embeddings`` body. Admission reserves its prompt alone
     (``max_tokens`` 0: an embedding generates nothing).
 
     ``input`` is a non-empty string, a list of non-empty strings, a list of token ids, or a
     list of non-empty lists of token ids (at most :data:`MAX_EMBEDDING_INPUTS` entries).
-    Prompt size: characters / 4 per string, exact for token ids.
+    Prompt size: characters / 4 per string, exact for token ids (``costs`` is taken for
+    the parsers' common signature; text-only inputs use none of it).
 
     Raises:
         BadRequest: not a JSON object, or ``input`` of none of those shapes (``param``
@@ -81,12 +100,12 @@ def parse_embeddings(raw: bytes) -> ParsedRequest:
     if isinstance(inp, str):
         if not inp:
             raise BadRequest("'input' cannot be an empty string", "input")
-        tokens = _tokens(len(inp))
+        tokens = text_tokens(len(inp))
     elif isinstance(inp, list) and inp:
         if len(inp) > MAX_EMBEDDING_INPUTS:
             raise BadRequest(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} entries, got {len(inp)}", "input")
         if all(isinstance(x, str) and x for x in inp):
-            tokens = sum(_tokens(len(x)) for x in inp)
+            tokens = sum(text_tokens(len(x)) for x in inp)
         elif all(_is_token_id(x) for x in inp):
             tokens = len(inp)
         elif all(isinstance(x, list) and x and all(_is_token_id(i) for i in x) for x in inp):
@@ -101,11 +120,12 @@ def parse_embeddings(raw: bytes) -> ParsedRequest:
 # ---------------------------------------------------------------- responses
 
 
-def _text_chars(value: object) -> int:
-    """Characters of model-read text in a Responses ``input`` item (see
-    :data:`_TEXT_KEYS`), walked without recursion (a deeply nested body cannot exhaust
-    the stack). Linear in the size of the value."""
-    chars = 0
+def _input_size(value: object, costs: PromptCosts) -> tuple[int, int]:
+    """(characters of model-read text, tokens of images and other media) in a Responses
+    ``input`` (see :data:`_TEXT_KEYS`; ``input_image`` parts cost ``costs.image_tokens``
+    each, audio and file parts ``costs.media_tokens``), walked without recursion (a
+    deeply nested body cannot exhaust the stack). Linear in the size of the value."""
+    chars = fixed = 0
     stack: list[tuple[object, bool]] = [(value, False)]
     while stack:
         v, is_text = stack.pop()
@@ -113,13 +133,25 @@ def _text_chars(value: object) -> int:
             if is_text:
                 chars += len(v)
         elif isinstance(v, dict):
+            kind = v.get("type")
+            if kind in IMAGE_PARTS:
+                fixed += costs.image_tokens
+                continue
+            if kind in MEDIA_PARTS:
+                fixed += costs.media_tokens
+                continue
             stack.extend((x, k in _TEXT_KEYS) for k, x in v.items())
         elif isinstance(v, list):
             stack.extend((x, is_text) for x in v)
-    return chars
+    return chars, fixed
 
 
-def parse_responses(raw: bytes) -> ParsedRequest:
+#: Top-level Responses fields rendered into the prompt: tool definitions, the tool
+#: choice, and ``text`` (its ``format`` may hold a JSON schema).
+RESPONSES_PROMPT_FIELDS = ("tools", "tool_choice", "text")
+
+
+def parse_responses(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     """Parse a ``POST /v1/responses`` body (OpenAI's Responses API).
 
     ``input``: a string, or a list of input items (objects: messages whose ``content`` is a
@@ -129,8 +161,11 @@ def parse_responses(raw: bytes) -> ParsedRequest:
     ``instructions``: a string. ``max_output_tokens``: a positive integer or absent (then
     the cost model's default is reserved). ``stream``: a boolean.
 
-    Prompt size: characters of ``instructions`` and of the items' text (module
-    :data:`_TEXT_KEYS`) / 4, plus :data:`proxy.request_body.MESSAGE_OVERHEAD_TOKENS` per item.
+    Prompt size: characters of ``instructions``, of the items' text (module
+    :data:`_TEXT_KEYS`) and of the JSON of :data:`RESPONSES_PROMPT_FIELDS`, / 4; plus
+    ``costs.image_tokens`` per image and ``costs.media_tokens`` per audio or file part;
+    plus :data:`proxy.request_body.MESSAGE_OVERHEAD_TOKENS` per item (as for chat,
+    :mod:`proxy.request_body`).
 
     Raises:
         BadRequest: not a JSON object, ``input`` neither a string nor a list of objects,
@@ -139,6 +174,7 @@ def parse_responses(raw: bytes) -> ParsedRequest:
     """
     obj = _object(raw)
     inp = obj.get("input")
+    fixed = 0
     if inp is None:
         chars, items = 0, 0
     elif isinstance(inp, str):
@@ -147,7 +183,7 @@ def parse_responses(raw: bytes) -> ParsedRequest:
         for i, item in enumerate(inp):
             if not isinstance(item, dict):
                 raise BadRequest(f"'input[{i}]' must be an object (an input item)", f"input[{i}]")
-        chars, items = _text_chars(inp), len(inp)
+        (chars, fixed), items = _input_size(inp, costs), len(inp)
     else:
         raise BadRequest("'input' must be a string or a list of input items", "input")
     instructions = obj.get("instructions")
@@ -155,6 +191,10 @@ def parse_responses(raw: bytes) -> ParsedRequest:
         if not isinstance(instructions, str):
             raise BadRequest("'instructions' must be a string", "instructions")
         chars += len(instructions)
+    for k in RESPONSES_PROMPT_FIELDS:
+        v = obj.get(k)
+        if v is not None:
+            chars += json_chars(v)
     cap = obj.get("max_output_tokens")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise BadRequest(f"'max_output_tokens' must be a positive integer, got {cap!r}", "max_output_tokens")
@@ -162,7 +202,7 @@ def parse_responses(raw: bytes) -> ParsedRequest:
         body=raw,
         stream=_opt_bool(obj, "stream"),
         max_tokens=cap,
-        prompt_tokens=_tokens(chars) + MESSAGE_OVERHEAD_TOKENS * items,
+        prompt_tokens=text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * items,
         fields=obj,
     )
 
@@ -302,39 +342,21 @@ def responses_usage(body: bytes) -> ResponsesUsage:
         return ResponsesUsage()
 
 
-def sse_fields(event: bytes) -> tuple[str | None, bytes]:
-    """The ``event:`` name (or ``None``) and the ``data:`` payload of one SSE event (its
-    lines, as :func:`proxy.sse.split_events` returns it): several ``data:`` lines join with
-    ``\\n``; one space after the colon is dropped; comments and other fields are ignored
-    (WHATWG HTML, "Server-sent events", event stream interpretation)."""
-    name: str | None = None
-    data: list[bytes] = []
-    for line in event.splitlines():
-        field, sep, value = line.partition(b":")
-        if not sep or not field:
-            continue  # a comment (":...") or a line without a colon
-        if value.startswith(b" "):
-            value = value[1:]
-        if field == b"event":
-            name = value.decode("utf-8", "replace")
-        elif field == b"data":
-            data.append(value)
-    return name, b"\n".join(data)
-
-
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 
 
 class ResponsesStreamScanner:
-    """Follows a Responses API event stream, one event at a time, for accounting and to
-    tell a real finish from a cut.
+    """Follows a Responses API event stream across arbitrary chunk boundaries, for
+    accounting and to tell a real finish from a cut; the same interface as
+    :class:`proxy.sse.SSEScanner`, for :func:`proxy.relay.relay_stream`.
 
     Every event whose type ends in ``.delta`` (output text, refusal, reasoning, function
     call arguments, ...) counts as one output token until ``usage`` gives the real
-    count. The stream has ended normally once a terminal event (:data:`TERMINAL_EVENTS`:
-    ``response.completed``, ``response.incomplete``, ``response.failed``, ``error``) was
-    seen; the engine sends no ``[DONE]`` and the proxy must add none. Only terminal events
-    (and events without an ``event:`` line) are JSON-parsed.
+    count. The stream has ended once a terminal event (:data:`TERMINAL_EVENTS`) was
+    seen: ``response.completed`` and ``response.incomplete`` are a finish,
+    ``response.failed`` and ``error`` an in-band error. The engine sends no ``[DONE]``
+    and the proxy adds none (OpenAI's Responses streaming reference). Only terminal
+    events (and events without an ``event:`` line) are JSON-parsed.
 
     Attributes:
         tokens: output tokens so far (deltas, then ``usage.output_tokens``).
@@ -342,18 +364,23 @@ class ResponsesStreamScanner:
         terminal: the terminal event's type, or ``None`` while the stream is open.
         status: the final response's ``status`` (``completed``, ``incomplete``,
             ``failed``) or ``error``.
-        sequence_number: the highest ``sequence_number`` seen (-1: none); a terminal error
-            event the proxy appends uses the next one
-            (:func:`proxy.errors.responses_error_event`).
+        error: the in-band error (``{"message", "code"}``) of a failed stream, or ``None``.
+        sequence_number: the highest ``sequence_number`` seen (-1: none); the terminal
+            error event the proxy appends to a cut stream uses the next one (:meth:`cut`).
+
+    Raises (from :meth:`feed`):
+        proxy.sse.EventTooLarge: an event grew past :data:`proxy.sse.MAX_EVENT_BYTES`.
     """
 
-    __slots__ = ("tokens", "prompt_tokens", "terminal", "status", "sequence_number")
+    __slots__ = ("_buf", "tokens", "prompt_tokens", "terminal", "status", "error", "sequence_number")
 
     def __init__(self) -> None:
+        self._buf = bytearray()
         self.tokens = 0
         self.prompt_tokens: int | None = None
         self.terminal: str | None = None
         self.status: str | None = None
+        self.error: dict | None = None
         self.sequence_number = -1
 
     @property
@@ -361,12 +388,52 @@ class ResponsesStreamScanner:
         """Whether a terminal event was seen."""
         return self.terminal is not None
 
+    @property
+    def partial(self) -> bool:
+        """Bytes of an unterminated event are pending."""
+        return bool(self._buf.strip())
+
+    def feed(self, chunk: bytes) -> None:
+        """Scan ``chunk``; complete events update the attributes."""
+        buf = self._buf
+        buf += chunk
+        for ev in split_events(buf):
+            self.feed_event(ev)
+        if len(buf) > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+
+    def end(self) -> None:
+        """The stream ended: read an unterminated last event as if it were terminated."""
+        if self.partial:
+            self.feed_event(bytes(self._buf))
+        self._buf.clear()
+
+    def complete(self, choices: int = 1) -> bool:
+        """Whether the response finished (``response.completed`` or ``.incomplete``)."""
+        return self.terminal in _FINISHED
+
+    def closing(self) -> bytes:
+        """Nothing: a Responses stream has no end marker of its own."""
+        return b""
+
+    def cut(self, message: str, code: str) -> bytes:
+        """The terminal ``error`` event for a stream that did not finish, numbered after
+        the last event (:func:`proxy.errors.responses_error_event`)."""
+        return responses_error_event(message, code, self.sequence_number + 1)
+
+    def unfinished(self) -> str:
+        """Why a stream that ended without an error is not :meth:`complete`."""
+        return "responses stream ended without a terminal event"
+
     def feed_event(self, event: bytes) -> None:
         """Account for one complete SSE event."""
-        name, data = sse_fields(event)
+        name_b, data = parse_event(event)
+        if data is None:
+            return
         m = _SEQ.search(data)
         if m is not None:
             self.sequence_number = max(self.sequence_number, int(m.group(1)))
+        name = name_b.decode("utf-8", "replace") if name_b is not None else None
         obj: object = None
         if name is None and data:
             try:
@@ -382,17 +449,82 @@ class ResponsesStreamScanner:
         if name not in TERMINAL_EVENTS:
             return
         self.terminal = name
-        if name == "error":
-            self.status = "error"
-            return
         if obj is None:
             try:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
-                return
-        usage = _usage_of_response(obj.get("response") if isinstance(obj, dict) else None)
+                obj = None
+        if name == "error":
+            self.status = "error"
+            self.error = _error_fields(obj)
+            return
+        resp = obj.get("response") if isinstance(obj, dict) else None
+        usage = _usage_of_response(resp)
         self.status = usage.status or name.removeprefix("response.")
         if usage.output_tokens is not None:
             self.tokens = usage.output_tokens
         if usage.input_tokens is not None:
             self.prompt_tokens = usage.input_tokens
+        if name == "response.failed":
+            self.error = _error_fields(resp.get("error") if isinstance(resp, dict) else None)
+
+
+_FINISHED = frozenset({"response.completed", "response.incomplete"})
+
+
+def _error_fields(obj: object) -> dict:
+    """``{"message", "code"}`` of a Responses error object (an ``error`` event, or a
+    failed response's ``error``), with a stand-in message when it has none."""
+    out = {"message": "the upstream reported an error"}
+    if isinstance(obj, dict):
+        for k in ("message", "code"):
+            if isinstance(obj.get(k), str):
+                out[k] = obj[k][:500]
+    return out
+
+
+# ------------------------------------------------------------ request kinds
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKind:
+    """How one route's requests are read, capped, sent upstream and relayed: the table
+    :func:`proxy.handlers.handle_generation` follows, one entry per route.
+
+    Attributes:
+        name: the kind (``chat``, ``completion``, ``generate``, ``embeddings``,
+            ``responses``, ``passthrough``).
+        path: the upstream path; ``None``: the client's own path (pass-through).
+        parse: ``(body, config) -> ParsedRequest`` (:class:`proxy.config.Config`).
+            Raises :class:`proxy.request_body.BadRequest`.
+        cap: applies a group's ``max_tokens`` cap, ``(parsed, cap, reject) ->
+            ParsedRequest``; ``None``: nothing for the cap to bound (embeddings,
+            pass-through).
+        scanner: makes the follower of this kind's stream (:class:`proxy.relay.StreamScanner`).
+        proxy_fields: the proxy may add its own stream settings (``stream_options``,
+            ``upstream.stream_non_streaming``: :mod:`proxy.upstream_body`); chat and
+            completions only.
+        native: LightLLM's native routes: the body is never rewritten, and the pool's
+            engines must all be ``kind: lightllm``.
+        opaque: a pass-through path: any method, the body forwarded as it came (but an
+            alias's ``model``), no priority field written, relayed as bytes
+            (:class:`proxy.sse.OpaqueStream`), a stream known by its content type.
+    """
+
+    name: str
+    path: str | None
+    parse: Callable[[bytes, "Config"], ParsedRequest]
+    cap: Callable[[ParsedRequest, int, bool], ParsedRequest] | None
+    scanner: Callable[[], object]
+    proxy_fields: bool = False
+    native: bool = False
+    opaque: bool = False
+
+
+CHAT = RequestKind("chat", "/v1/chat/completions", lambda raw, c: parse_chat(raw, c.cost), cap_max_tokens, SSEScanner, proxy_fields=True)
+COMPLETION = RequestKind("completion", "/v1/completions", lambda raw, c: parse_completion(raw, c.cost), cap_max_tokens, SSEScanner, proxy_fields=True)
+GENERATE = RequestKind("generate", "/generate", lambda raw, c: parse_generate(raw, False, c.cost), cap_max_tokens, lambda: SSEScanner(native=True), native=True)
+GENERATE_STREAM = RequestKind("generate", "/generate_stream", lambda raw, c: parse_generate(raw, True, c.cost), cap_max_tokens, lambda: SSEScanner(native=True), native=True)
+EMBEDDINGS = RequestKind("embeddings", "/v1/embeddings", lambda raw, c: parse_embeddings(raw, c.cost), None, SSEScanner)
+RESPONSES = RequestKind("responses", "/v1/responses", lambda raw, c: parse_responses(raw, c.cost), cap_max_output_tokens, ResponsesStreamScanner)
+PASSTHROUGH = RequestKind("passthrough", None, lambda raw, c: parse_passthrough(raw, c.passthrough.cost_tokens), None, OpaqueStream, opaque=True)

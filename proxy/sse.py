@@ -22,12 +22,15 @@ import re
 
 import orjson
 
+from .errors import sse_error_event
+
 # an event ends at two line ends in a row; a lone CR is a line end too (a CR that is the
 # first half of a CRLF split across chunks then ends an empty event: harmless)
 EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 _LINE = re.compile(rb"\r\n|\r|\n")
 _EVENT_ENDINGS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 DONE = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one event may not grow past this (bounds memory)
 
 
@@ -159,6 +162,27 @@ class SSEScanner:
             return self.finished
         return self.done or len(self.ended_choices) >= max(1, choices)
 
+    def closing(self) -> bytes:
+        """What the relay adds to a stream that really finished (:meth:`complete`):
+        ``data: [DONE]`` to an OpenAI-style stream that carried none (the OpenAI SDK and
+        most clients wait for it); nothing to LightLLM's native stream, which has no such
+        marker."""
+        return b"" if self.native or self.done else DONE_EVENT
+
+    def cut(self, message: str, code: str) -> bytes:
+        """The terminal event for a stream that did not finish: an OpenAI-style error
+        event (``data: {"error": {...}}``), which the OpenAI SDK raises as ``APIError``."""
+        return sse_error_event(message, code)
+
+    def unfinished(self) -> str:
+        """Why a stream that ended without an error is not :meth:`complete` (for the
+        access log)."""
+        if self.native:
+            return "native stream ended without finished:true"
+        if self.events == 0:
+            return "stream ended without any event"
+        return "stream ended without finish_reason or [DONE]"
+
     def feed(self, chunk: bytes) -> None:
         """Scan ``chunk``; complete events update the attributes."""
         buf = self._buf
@@ -261,6 +285,45 @@ class SSEScanner:
 
 def _is_count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class OpaqueStream:
+    """A stream of a shape the proxy does not read (a pass-through path's answer): its
+    bytes are relayed untouched, nothing is counted, and nothing is ever added.
+
+    Its end is the upstream's: a stream that ended cleanly is finished. One that broke
+    gets no event the proxy made up (it cannot know the format): :meth:`cut` returns
+    ``None`` and the relay drops the client's connection instead, so the client sees a
+    broken transfer, as it would from the engine itself. Same interface as
+    :class:`SSEScanner`, for :func:`proxy.relay.relay_stream`.
+    """
+
+    __slots__ = ()
+    tokens = 0
+    prompt_tokens: int | None = None
+    error: dict | None = None
+    partial = False
+
+    def feed(self, chunk: bytes) -> None:
+        """Nothing to scan."""
+
+    def end(self) -> None:
+        """Nothing pending."""
+
+    def complete(self, choices: int = 1) -> bool:
+        """A stream that ended cleanly is finished."""
+        return True
+
+    def closing(self) -> bytes:
+        """Nothing is added."""
+        return b""
+
+    def cut(self, message: str, code: str) -> None:
+        """``None``: drop the client's connection (see the class docstring)."""
+        return None
+
+    def unfinished(self) -> str:
+        return ""
 
 
 # ``"usage": null`` as a member of the event's JSON object, with the comma that joins it

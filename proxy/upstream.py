@@ -35,6 +35,7 @@ from .config import UpstreamConfig
 from .relay_headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
+_URL_CACHE = 64  # upstream URLs kept built, per upstream (bounded: pass-through paths come from clients)
 
 
 class UpstreamError(Exception):
@@ -116,7 +117,9 @@ class Upstream:
             return URL(f"{self.config.url}{path}?{query}", encoded=True)
         url = self._urls.get(path)
         if url is None:
-            url = self._urls[path] = URL(self.config.url + path)
+            url = URL(self.config.url + path)
+            if len(self._urls) < _URL_CACHE:  # the proxy's own paths; a pass-through path is a client's
+                self._urls[path] = url
         return url
 
     def reject_stream_options(self, status: int) -> None:

@@ -114,7 +114,7 @@ def test_fuzz_completions_and_native(proxy_port, path, data):
 
 @FUZZ
 @given(
-    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream"]),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/generate", "/generate_stream"]),
     raw=st.one_of(st.binary(max_size=300), st.binary(max_size=40).map(lambda b: b'{"messages": [{"role": "user", "content": "' + b + b'"}]}')),
 )
 def test_fuzz_raw_bytes_and_invalid_utf8(proxy_port, path, raw):
@@ -124,7 +124,7 @@ def test_fuzz_raw_bytes_and_invalid_utf8(proxy_port, path, raw):
 @FUZZ
 @given(
     method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
-    path=st.one_of(st.sampled_from(["/v1/models", "/health", "/ready", "/metrics", "/openapi.json", "/admin/status", "/admin/config"]), st.text(alphabet="abcdefghijklmnopqrstuvwxyz/%._-", max_size=30).map(lambda p: "/" + p)),
+    path=st.one_of(st.sampled_from(["/v1/models", "/health", "/ready", "/metrics", "/openapi.json", "/admin/status", "/admin/config"]), st.text(alphabet="abcdefghijklmnopqrstuvwxyz/%._-", max_size=30).map(lambda p: "/" + p), st.text(alphabet="abcdefghijklmnopqrstuvwxyz/%._-", max_size=30).map(lambda p: "/v1/" + p)),
 )
 def test_fuzz_routes_and_methods(proxy_port, method, path):
     status, body = send(proxy_port, method, path, b"{}" if method != "GET" else None)
@@ -135,5 +135,5 @@ def test_openapi_document_lists_the_routes(proxy_port):
     status, body = send(proxy_port, "GET", "/openapi.json", None)
     doc = json.loads(body)
     assert status == 200 and doc["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream"} <= set(doc["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/generate", "/generate_stream"} <= set(doc["paths"])
     time.sleep(0)

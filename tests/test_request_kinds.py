@@ -23,7 +23,6 @@ from proxy.request_kinds import (
     parse_responses,
     prompt_prefix,
     responses_usage,
-    sse_fields,
 )
 
 
@@ -76,7 +75,7 @@ def test_responses_string_input_instructions_and_cap():
     assert (p.prompt_tokens, p.max_tokens, p.stream) == (12 + 4, 50, True)
 
 
-def test_responses_items_count_only_text_the_model_reads():
+def test_responses_items_count_the_text_the_model_reads_and_images_at_their_cost():
     items = [
         {"role": "system", "content": "a" * 40},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "b" * 40}, {"type": "input_image", "image_url": "data:image/png;base64," + "Q" * 10_000}]},
@@ -84,7 +83,7 @@ def test_responses_items_count_only_text_the_model_reads():
         {"type": "function_call_output", "call_id": "call_1", "output": "d" * 40},
     ]
     p = parse_responses(body(model="m", input=items))
-    assert p.prompt_tokens == 40 + 4 * 4 and p.max_tokens is None and not p.stream
+    assert p.prompt_tokens == 40 + 1024 + 4 * 4 and p.max_tokens is None and not p.stream  # the image at cost.image_tokens (1024)
 
 
 def test_responses_without_input_continue_a_previous_response():
@@ -162,10 +161,50 @@ def test_prompt_prefix_of_each_kind():
 # --------------------------------------------------------- Responses streams
 
 
-def test_sse_fields_follow_the_event_stream_format():
-    assert sse_fields(b"event: response.completed\ndata: {\"a\": 1}") == ("response.completed", b'{"a": 1}')
-    assert sse_fields(b": comment\ndata:x\ndata: y\nid: 3") == (None, b"x\ny")
-    assert sse_fields(b"event:error\r\ndata: {}") == ("error", b"{}")
+def test_the_responses_scanner_reads_every_event_form_across_any_chunk_boundary():
+    stream = (
+        b"event: response.output_text.delta\r\ndata: {\"type\": \"response.output_text.delta\", \"sequence_number\": 1}\r\n\r\n"
+        b": keep-alive\n\n"
+        b'data: {"type": "response.output_text.delta", "sequence_number": 2}\n\n'
+        b"event:response.completed\ndata: {\"type\": \"response.completed\",\ndata: \"sequence_number\": 3, \"response\": {\"status\": \"completed\", \"usage\": {\"input_tokens\": 7, \"output_tokens\": 2}}}\n\n"
+    )
+    for size in (1, 2, 7, len(stream)):
+        s = ResponsesStreamScanner()
+        for i in range(0, len(stream), size):
+            s.feed(stream[i : i + size])
+        s.end()
+        assert (s.tokens, s.prompt_tokens, s.sequence_number) == (2, 7, 3), size
+        assert s.complete() and s.error is None and s.closing() == b""
+
+
+def test_a_failed_response_or_an_error_event_is_an_in_band_error():
+    s = ResponsesStreamScanner()
+    s.feed(b'event: response.failed\ndata: {"type": "response.failed", "sequence_number": 4, "response": {"status": "failed", "error": {"code": "server_error", "message": "boom"}}}\n\n')
+    assert s.error == {"message": "boom", "code": "server_error"} and not s.complete()
+    s = ResponsesStreamScanner()
+    s.feed(b'event: error\ndata: {"type": "error", "code": "rate_limit", "message": "slow down", "sequence_number": 0}')
+    s.end()  # an unterminated last event is read at the end
+    assert s.error == {"message": "slow down", "code": "rate_limit"} and not s.complete()
+
+
+def test_a_cut_responses_stream_gets_the_next_sequence_number():
+    s = ResponsesStreamScanner()
+    s.feed(b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n')
+    s.feed(b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": 1}\n\n')
+    assert not s.complete() and s.error is None
+    assert s.cut("gone", "upstream_stream_broken") == responses_error_event("gone", "upstream_stream_broken", 2)
+
+
+def test_responses_tools_text_format_and_images_are_prompt_tokens():
+    from proxy.request_body import DefaultPromptCosts
+
+    costs = DefaultPromptCosts(image_tokens=100, media_tokens=50)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d" * 4000}}}}]
+    bare = parse_responses(body(model="m", input="hi"), costs)
+    stuffed = parse_responses(body(model="m", input="hi", tools=tools, text={"format": {"type": "json_schema", "schema": {"description": "s" * 400}}}), costs)
+    assert stuffed.prompt_tokens - bare.prompt_tokens >= (4000 + 400) // 4
+    items = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}, {"type": "input_file", "file_id": "f"}, {"type": "input_image", "text": "", "image_url": "u"}]}]
+    assert parse_responses(body(model="m", input=items), costs).prompt_tokens == 100 + 50 + 100 + 4
 
 
 @pytest.fixture
