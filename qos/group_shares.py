@@ -13,10 +13,12 @@ Three corrections keep the fraction honest (measured in ``bench/fairness.py``):
   (:class:`qos.usage_model.UsageModel`: its estimates scaled by how that user's recent
   requests turned out), since a systematic over-estimate of requests in flight would be
   a proportional error of the fraction;
-* **no banked credit:** a class that starts waiting again is credited up to its share
-  (:meth:`GroupShares.lift`), as an idle user's counter is lifted in
-  :mod:`qos.fair_queue`, so it cannot return with a burst that holds off the higher
-  classes for many slot turnovers.
+* **no banked credit:** a class that starts waiting again is credited as if it had
+  received its share for the time it was away (:meth:`GroupShares.lift`), as an idle
+  user's counter is lifted in :mod:`qos.fair_queue`, so it cannot return with a burst
+  that holds off the higher classes for many slot turnovers; a short absence (a class
+  turned away for want of queue room counts as waiting, not away) is not wiped into
+  credit either, or a class kept out of a full queue would lose its floor.
 """
 
 from __future__ import annotations
@@ -64,15 +66,23 @@ class GroupShares:
             delta *= math.exp(-(now - charged_at) / self.window_s)
         self._served[group] = max(0.0, self._served[group] + delta)
 
-    def lift(self, group: str, min_share: float) -> None:
-        """Credit ``group``, which starts waiting again, up to ``min_share`` of the total."""
-        if min_share >= 1.0 or group not in self._served:
+    def lift(self, group: str, min_share: float, away_s: float = math.inf) -> None:
+        """Credit ``group``, which starts waiting again after ``away_s`` seconds away,
+        as if it had received ``min_share`` of the service while it was away: its
+        deficit below ``min_share`` shrinks by ``1 - exp(-away_s / window_s)`` (all of
+        it after a long absence, nearly none after a short one; a class at or above its
+        share is left alone). So an absence is neither banked as credit nor held against
+        the class, whatever its length."""
+        if min_share >= 1.0 or group not in self._served or not away_s > 0:
             return
         self._decay(self._clock())
         others = sum(v for k, v in self._served.items() if k != group)
-        floor = min_share / (1.0 - min_share) * others
-        if self._served[group] < floor:
-            self._served[group] = floor
+        mine = self._served[group]
+        if others <= 0 or mine / (mine + others) >= min_share:
+            return
+        share = mine / (mine + others)
+        target = share + (min_share - share) * -math.expm1(-away_s / self.window_s)
+        self._served[group] = max(mine, target / (1.0 - target) * others)
 
     def share(self, group: str) -> float:
         """``group``'s decayed fraction of all dispatched cost now (0.0 when nothing has

@@ -24,6 +24,11 @@ Order of service when there is room:
 2. otherwise the highest-priority class with work waiting (strict priority);
 3. inside the class, the backlogged user with the smallest key (:mod:`qos.fair_queue`).
 
+A full global queue makes room by evicting the newest request of the class served last
+in that order (a class under its floor first of all, the others by priority), if it
+ranks below the newcomer's: a class under its floor is never evicted, and its own
+newcomers may evict from higher classes that are not under theirs.
+
 A head that does not fit the capacity waits for room and holds back the classes *below*
 its own (so priority is never inverted), never those above it: a ``min_share`` class
 whose head does not fit lets a higher class's head go if that one fits. A request whose
@@ -117,6 +122,8 @@ class Scheduler:
         self._usage = UsageModel()  # what each user's requests are expected to cost
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
+        self._inflight_by_group: dict[str, int] = {}  # requests in flight per class (ticket.group)
+        self._busy_at: dict[str, float] = {}  # class -> when it last had work or was turned away
         self.queued = 0
         self.closed = False
         self.users_forgotten = 0
@@ -134,6 +141,7 @@ class Scheduler:
         if self._owns_limiter:
             self.rate_limiter.max_buckets = 2 * policy.max_users + 64
         self._shares.configure(self._queues, policy.share_window_s)
+        self._busy_at = {k: v for k, v in self._busy_at.items() if k in self._queues}
         # every user takes the class and weight the new policy gives it, at once, its
         # queued requests included (one rule for moved, re-weighted and removed users)
         for acct in sorted(self._accounts.values(), key=_first_seq):
@@ -208,6 +216,8 @@ class Scheduler:
         relative: float | None = None
         if src is not None:
             tickets, relative = src.leave(acct)
+            if tickets:
+                self._busy_at[src.name] = self._clock()
             if acct.weight > 0 and up.weight > 0:
                 relative *= acct.weight / up.weight
             elif up.weight > 0:
@@ -321,13 +331,18 @@ class Scheduler:
 
         queue = self._queues[up.group]
         if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(reserved):
+            self._busy_at[gpol.name] = now
             raise Refused(
                 RefusalReason.GROUP_QUEUE_FULL,
                 self._retry_hint(),
                 f"the queue of group {gpol.name!r} is full ({gpol.max_queue} waiting)",
             )
         if self.queued >= policy.max_queue and not self._can_dispatch_now(reserved):
-            self._evict_for(rank)
+            try:
+                self._evict_for(rank)
+            except Refused:
+                self._busy_at[gpol.name] = now  # turned away for room: demand, not absence
+                raise
 
         self._seq += 1
         ticket = Ticket(
@@ -342,8 +357,11 @@ class Scheduler:
         )
         ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
         acct = self._account(user_id, group, up, now)
-        if gpol.min_share > 0 and not len(queue):
-            self._shares.lift(gpol.name, gpol.min_share)
+        if gpol.min_share > 0 and not len(queue) and not self._inflight_by_group.get(gpol.name):
+            # it starts waiting again after an absence: credited its share for the time
+            # away (no banked credit). A class with requests in flight, or turned away
+            # for want of queue room, has not been away.
+            self._shares.lift(gpol.name, gpol.min_share, now - self._busy_at.get(gpol.name, -math.inf))
         queue.push(ticket, acct)
         self.queued += 1
         dl = self._deadlines
@@ -370,26 +388,38 @@ class Scheduler:
         not apply: it never waits)."""
         return self.queued == 0 and self.capacity_model.fits(tokens)
 
+    def _under_floor(self, idx: int) -> bool:
+        """Whether class index ``idx`` has a ``min_share`` and its decayed share is at or
+        below it (then it is owed: it ranks first, for dispatch and for eviction)."""
+        gpol = self.policy.groups[idx]
+        return gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)
+
     def _evict_for(self, priority: int) -> None:
         """Make room for a request of class index ``priority`` by evicting the newest
-        waiting request of the lowest class below it that is above its ``min_share``
-        floor (a class with ``min_share`` whose decayed share is at or below it keeps
-        its requests); raise QUEUE_FULL if there is none."""
-        for idx in range(len(self._order) - 1, priority, -1):
-            gpol = self.policy.groups[idx]
+        waiting request of the class that would be served last, if that class ranks
+        below the newcomer's in the order of service.
+
+        The order is the dispatch order: a class at or under its ``min_share`` floor
+        ranks first (it is owed), the others by priority. So a newcomer evicts from the
+        lowest class below it that is not under its floor, and a newcomer whose own class
+        is under its floor may also evict from the lowest class above it that is not (a
+        floor class cannot be kept below its floor by higher classes filling the queue).
+        A class under its floor is never evicted. Raises QUEUE_FULL if there is no such
+        class."""
+        order = range(len(self._order) - 1, priority, -1)
+        if self._under_floor(priority):
+            order = [*order, *range(priority - 1, -1, -1)]
+        for idx in order:
             q = self._order[idx]
-            if not len(q) or (gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)):
-                continue  # a class not above its floor keeps its requests
+            if not len(q) or self._under_floor(idx):
+                continue  # a class at or under its floor keeps its requests
             victim = q.newest()
             assert victim is not None
-            self._refuse_queued(
-                victim,
-                Refused(
-                    RefusalReason.EVICTED,
-                    self._retry_hint(),
-                    f"evicted from the queue by a request of higher priority (group {victim.group!r})",
-                ),
-            )
+            if idx > priority:
+                why = f"evicted from the queue by a request of higher priority (group {victim.group!r})"
+            else:
+                why = f"evicted from the queue by a request of a group below its min_share (group {victim.group!r})"
+            self._refuse_queued(victim, Refused(RefusalReason.EVICTED, self._retry_hint(), why))
             return
         raise Refused(
             RefusalReason.QUEUE_FULL,
@@ -437,6 +467,7 @@ class Scheduler:
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = self._clock()
         self.inflight.add(ticket)
+        self._inflight_by_group[ticket.group] = self._inflight_by_group.get(ticket.group, 0) + 1
         cost = policy.cost
         ticket.expected_prompt, ticket.expected_output = self._usage.expected(ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens)
         ticket.speculative = not self._usage.knows(ticket.user_id)
@@ -453,6 +484,7 @@ class Scheduler:
     def _refuse_queued(self, ticket: Ticket, refusal: Refused, notify: bool = True) -> None:
         acct = self._accounts[ticket.user_id]
         self._queues[acct.group].remove(ticket, acct)
+        self._busy_at[acct.group] = self._clock()
         self.queued -= 1
         ticket.state = TicketState.REFUSED
         ticket.refusal = refusal
@@ -521,6 +553,12 @@ class Scheduler:
         now = self._clock()
         ticket.state = TicketState.RELEASED
         self.inflight.discard(ticket)
+        self._busy_at[ticket.group] = now
+        left = self._inflight_by_group.get(ticket.group, 1) - 1
+        if left > 0:
+            self._inflight_by_group[ticket.group] = left
+        else:
+            self._inflight_by_group.pop(ticket.group, None)
         self.capacity_model.release(ticket)
         prompt = ticket.prompt_tokens if prompt_tokens is None else clamp_count(prompt_tokens)
         out = ticket.output_tokens if output_tokens is None else clamp_count(output_tokens)

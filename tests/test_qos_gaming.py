@@ -203,6 +203,94 @@ def test_eviction_spares_a_class_under_its_min_share():
     assert h.refused[-1].user_id == "b3"
 
 
+def test_a_floor_class_keeps_its_floor_when_higher_classes_keep_the_global_queue_full():
+    # gold alone could fill the global queue for good; bronze's own arrivals must still
+    # get in (evicting gold's newest, since bronze is owed) and be served at its floor
+    groups = (GroupPolicy("gold"), GroupPolicy("bronze", min_share=0.3))
+    h = Harness(pol(groups, max_inflight=1, max_queue=8, share_window_s=30.0, queue_timeout_s=1e6))
+    busy = h.submit("g-warm", 100, group="gold")
+    full = 0
+    bronze_refused = 0
+    got = []
+    for i in range(400):
+        h.clock.advance(0.1)
+        # gold arrives faster than it is served and keeps the queue full ...
+        for j in range(3):
+            try:
+                h.submit(f"g{j}", 100, group="gold")
+            except Refused:
+                pass
+        full += h.s.queued == 8
+        # ... and bronze sends one request a turn, as many as are served
+        try:
+            h.submit(f"b{i % 4}", 100, group="bronze")
+        except Refused as e:
+            assert e.reason is RefusalReason.QUEUE_FULL
+            bronze_refused += 1
+        if i == 0:
+            h.s.release(busy)
+        else:
+            got += h.serve(1)
+    assert full > 350  # the global queue was full nearly all the time
+    served = {"gold": 0.0, "bronze": 0.0}
+    for t in got[50:]:
+        served[t.group] += t.charged
+    frac = served["bronze"] / (served["gold"] + served["bronze"])
+    assert 0.27 <= frac <= 0.4, frac
+    # bronze got in while under its floor (evicting gold's newest) and was refused only
+    # while above it
+    assert 0 < bronze_refused < 400
+    evicted = [t for t in h.refused if t.refusal.reason is RefusalReason.EVICTED]
+    assert evicted and {t.group for t in evicted} <= {"gold", "bronze"}
+
+
+def test_a_class_under_its_floor_evicts_the_lowest_class_above_its_share_first():
+    groups = (GroupPolicy("gold"), GroupPolicy("silver"), GroupPolicy("bronze", min_share=0.3), GroupPolicy("guests"))
+    h = Harness(pol(groups, max_inflight=1, max_queue=3))
+    h.submit("g0", 10, group="gold")
+    g1 = h.submit("g1", 10, group="gold")
+    s1 = h.submit("s1", 10, group="silver")
+    s2 = h.submit("s2", 10, group="silver")
+    # bronze has had nothing (under its floor): the newest of the lowest class above it goes
+    b1 = h.submit("b1", 10, group="bronze")
+    assert h.refused == [s2] and "min_share" in s2.refusal.detail
+    assert b1.state is TicketState.QUEUED and s1.state is g1.state is TicketState.QUEUED
+    # a guest (no floor, lowest) cannot evict anyone; a second bronze evicts silver's s1
+    with pytest.raises(Refused) as e:
+        h.submit("x", 10, group="guests")
+    assert e.value.reason is RefusalReason.QUEUE_FULL
+    h.submit("b2", 10, group="bronze")
+    assert h.refused == [s2, s1]
+    h.submit("b3", 10, group="bronze")
+    assert h.refused == [s2, s1, g1]
+    # only bronze, under its floor, is left: nobody evicts it, not even gold
+    with pytest.raises(Refused) as e:
+        h.submit("g2", 10, group="gold")
+    assert e.value.reason is RefusalReason.QUEUE_FULL
+    assert h.s.queue_depths() == {"gold": 0, "silver": 0, "bronze": 3, "guests": 0}
+
+
+def test_a_returning_floor_class_is_credited_its_share_for_the_time_it_was_away():
+    from qos.group_shares import GroupShares
+    from tests.test_qos_scheduler import FakeClock
+
+    clock = FakeClock()
+    for away, lo, hi in ((0.1, 0.0999, 0.101), (300.0, 0.2999, 0.3)):
+        shares = GroupShares(30.0, clock)
+        shares.configure(("gold", "bronze"), 30.0)
+        shares.add("gold", 900.0)
+        shares.add("bronze", 100.0)  # bronze at 10 %, under its 30 % floor
+        shares.lift("bronze", 0.3, away)
+        # a long absence is not banked (lifted to its floor: no burst ahead of gold);
+        # a short one (a class turned away for queue room) is not wiped into credit
+        assert lo <= shares.share("bronze") <= hi, (away, shares.share("bronze"))
+    shares.lift("bronze", 0.3, 0.0)
+    shares.add("bronze", 10_000.0)
+    before = shares.share("bronze")
+    shares.lift("bronze", 0.3)  # above its floor: left alone
+    assert shares.share("bronze") == before
+
+
 def test_an_owed_min_share_head_that_does_not_fit_never_holds_a_higher_class_back():
     groups = (GroupPolicy("gold"), GroupPolicy("bronze", min_share=0.5))
     h = Harness(pol(groups, max_inflight=8, max_inflight_tokens=1000))
