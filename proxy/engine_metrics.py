@@ -11,6 +11,8 @@ and ``engine`` take configured names (an engine's ``name``, else its URL), ``sta
 * ``llm_qos_engine_capacity_requests``: requests it may run now (``max_inflight``, lowered
   by its load signal).
 * ``llm_qos_engine_load``: its last fresh KV-cache load (fraction); absent without one.
+* ``llm_qos_engine_saturated``: 1 while its load signal says it is saturated (new work
+  held back from it), else 0 (also without a load signal).
 * ``llm_qos_engine_headroom``: the router's headroom (fraction free; see
   :mod:`proxy.router`).
 * ``llm_qos_engine_routed_requests_total``: requests placed on it.
@@ -50,6 +52,7 @@ class EngineCollector(Collector):
         tokens = GaugeMetricFamily("llm_qos_engine_inflight_tokens", "Reserved tokens (prompt + max output) of the requests placed on the engine.", labels=labels)
         capacity = GaugeMetricFamily("llm_qos_engine_capacity_requests", "Requests the engine may run now: max_inflight, lowered by its load signal.", labels=labels)
         load = GaugeMetricFamily("llm_qos_engine_load", "The engine's last fresh KV-cache load (fraction).", labels=labels)
+        saturated = GaugeMetricFamily("llm_qos_engine_saturated", "1 while the engine's load signal says it is saturated (new work held back from it).", labels=labels)
         headroom = GaugeMetricFamily("llm_qos_engine_headroom", "Fraction of the engine still free (requests, tokens and load; the router's measure).", labels=labels)
         routed = CounterMetricFamily("llm_qos_engine_routed_requests", "Requests placed on the engine.", labels=labels)
         ejections = CounterMetricFamily("llm_qos_engine_ejections", "Times the engine was taken out of rotation by its health.", labels=labels)
@@ -66,6 +69,7 @@ class EngineCollector(Collector):
                 capacity.add_metric(key, e.capacity)
                 if e.load is not None:
                     load.add_metric(key, e.load)
+                saturated.add_metric(key, 1.0 if e.saturated else 0.0)
                 headroom.add_metric(key, e.headroom(placed=0))
                 routed.add_metric(key, e.routed)
                 ejections.add_metric(key, e.health.ejections)
@@ -73,7 +77,7 @@ class EngineCollector(Collector):
                     failures.add_metric([*key, reason], n)
                 for result, n in e.health.checks.items():
                     checks.add_metric([*key, result], n)
-        yield from (state, inflight, tokens, capacity, load, headroom, routed, ejections, failures, checks)
+        yield from (state, inflight, tokens, capacity, load, saturated, headroom, routed, ejections, failures, checks)
 
 
 def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRouter]]) -> EngineCollector:

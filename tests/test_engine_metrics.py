@@ -41,6 +41,7 @@ def test_engine_series_follow_the_routers_at_scrape_time():
     assert s[("llm_qos_engine_inflight_requests", A)] == 1 and s[("llm_qos_engine_inflight_tokens", A)] == 30
     assert s[("llm_qos_engine_capacity_requests", A)] == 4 and s[("llm_qos_engine_load", A)] == 0.5
     assert ("llm_qos_engine_load", B) not in s  # no reading: no sample
+    assert s[("llm_qos_engine_saturated", A)] == 0 and s[("llm_qos_engine_saturated", B)] == 0  # 0 without a signal too
     assert s[("llm_qos_engine_routed_requests_total", A)] == 1
     assert s[("llm_qos_engine_state", (*A[:1], ("pool", "p"), ("state", "healthy")))] == 1
     assert s[("llm_qos_engine_state", (*B[:1], ("pool", "p"), ("state", "ejected")))] == 1
@@ -48,6 +49,8 @@ def test_engine_series_follow_the_routers_at_scrape_time():
     assert s[("llm_qos_engine_ejections_total", B)] == 1
     assert s[("llm_qos_engine_failures_total", (*B[:1], ("pool", "p"), ("reason", "connect")))] == 3
     assert s[("llm_qos_engine_headroom", A)] == min(1 - 1 / 4, 1 - 30 / 100, 1 - 0.5 / 0.95)
+    b.set_load(0.97, True, None)  # its load signal says saturated
+    assert _samples(reg)[("llm_qos_engine_saturated", B)] == 1
     # a reload is seen at the next scrape: e2 removed (idle) leaves, e3 appears
     r.reconfigure(pool(eng(1, max_inflight=4, max_inflight_tokens=100), eng(3)))
     s = _samples(reg)

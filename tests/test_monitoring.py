@@ -226,7 +226,7 @@ def _wait(pred, what: str, log: Path, timeout_s: float = 60.0) -> None:
         try:
             if pred():
                 return
-        except (OSError, KeyError, IndexError):  # Prometheus not listening yet
+        except (OSError, KeyError, IndexError, ValueError):  # Prometheus not listening yet, or "Service Unavailable" while it starts
             pass
         assert time.monotonic() < deadline, f"timed out waiting for {what}; prometheus log:\n{log.read_text()[-2000:]}"
         time.sleep(0.2)
@@ -280,6 +280,18 @@ def test_promtool_checks_the_rules_their_unit_tests_and_the_scrape_config():
     for args in (["check", "rules", ALERTS.name], ["test", "rules", "alerts_test.yml"], ["check", "config", PROMETHEUS_YML.name]):
         r = subprocess.run([promtool, *args], cwd=ALERTS.parent, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, f"promtool {' '.join(args)}:\n{r.stdout}\n{r.stderr}"
+
+
+def test_every_alert_has_a_unit_test():
+    rules = yaml.safe_load(ALERTS.read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    unit = yaml.safe_load((ALERTS.parent / "alerts_test.yml").read_text())
+    tested = {t["alertname"] for case in unit["tests"] for t in case.get("alert_rule_test", [])}
+    # and fires in one of them: a test that only expects silence proves little
+    fired = {t["alertname"] for case in unit["tests"] for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
+    assert alerts, "no alerts found in alerts.yml"
+    assert alerts - tested == set(), "alerts without a promtool unit test in alerts_test.yml"
+    assert alerts - fired == set(), "alerts whose unit tests never expect them to fire"
 
 
 def test_the_scrape_job_is_the_one_the_alerts_name():
