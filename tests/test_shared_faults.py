@@ -15,7 +15,7 @@ import redis
 from proxy.shared import RateLimited, SharedState
 from proxy.shared.keys import Keys
 from qos import RateLimit
-from tests.shared_helpers import KEY, SimReplica, claims, config, settled, wait_for
+from tests.shared_helpers import KEY, SimReplica, claims, config, settled, wait_for, wait_rebuilt
 
 NONE = RateLimit(None, None)
 CAPACITY = 8
@@ -153,5 +153,133 @@ async def test_a_replica_that_starts_without_redis_serves_its_share_after_a_leas
         await wait_for(lambda: sim.state.mode == "shared", 5, "Redis to be reached")
         assert sim.state.rebuilding  # the new Redis has seen nobody: no grant grows for a lease
         await wait_for(lambda: sim.total_inflight == CAPACITY, 5, "the whole capacity, once rebuilt")
+    finally:
+        await sim.state.stop()
+
+
+class _Held(SimReplica):
+    """A simulated replica that tells apart its requests dispatched before the outage
+    (``old``: those it dispatched while its mode was ``shared``) from the later ones."""
+
+    def __init__(self, state: SharedState, capacity: int) -> None:
+        self.old = 0
+        super().__init__(state, capacity)
+
+    def fill(self) -> None:
+        before = self.total_inflight
+        super().fill()
+        if self.state.mode == "shared":
+            self.old += self.total_inflight - before
+
+    def complete_old(self) -> None:
+        assert self.old > 0
+        self.old -= 1
+        self.complete(cls=1)
+
+
+def _outage_bound(sims: list[_Held], capacity: int) -> int:
+    """The bound of docs/scaling.md for a full outage: C + Σ max(0, old_i − share_i), where
+    old_i is replica i's in flight dispatched before the outage and share_i its fallback
+    share; exactly C while no replica has taken its share yet."""
+    from proxy.shared.leases import fallback_share
+
+    if not any(s.state.mode == "fallback" for s in sims):
+        return capacity
+    return capacity + sum(max(0, s.old - fallback_share(capacity, s.state.share_replicas, s.state.rank)) for s in sims)
+
+
+async def test_requests_longer_than_the_lease_through_an_outage_stay_within_the_stated_bound(redis_server):
+    """Replica A holds the whole capacity (6) with requests that outlive the lease when
+    Redis stops. In fallback A's share is 2: it starts nothing new until its own in flight
+    is below 2, while B and C, which cannot know what A still runs, take their 2 each. The
+    engine then runs 10 on a capacity of 6: exactly C + (6 - 2), the bound
+    docs/scaling.md states, and it shrinks as A's old requests finish, back to C."""
+    capacity = 6
+    settled(redis_server.url, "o")
+    cfg = config(redis_server.url, key_prefix="o", sync_interval_s=0.05, lease_s=0.6, timeout_s=0.05)
+    a, b, c = sims = [_Held(SharedState(cfg, replica_id=f"o{i}"), capacity) for i in range(3)]
+    for s in sims:
+        await s.state.start()
+    worst = 0
+
+    def check() -> None:
+        nonlocal worst
+        total = sum(s.total_inflight for s in sims)
+        worst = max(worst, total)
+        assert total <= _outage_bound(sims, capacity), [(s.state.mode, s.state.grant(KEY), s.total_inflight, s.old) for s in sims]
+
+    try:
+        await wait_rebuilt([s.state for s in sims])
+        a.arrive(cls=1, n=6)
+        await wait_for(lambda: a.total_inflight == 6, 5, "A to hold the whole capacity", check=check)
+        for s in sims:
+            s.arrive(cls=1, n=20)  # work waits everywhere, A's included
+        await asyncio.sleep(0.3)  # several syncs: A keeps everything (its requests never end)
+        check()
+        assert (a.total_inflight, b.total_inflight, c.total_inflight) == (6, 0, 0)
+        assert a.old == 6
+
+        redis_server.stop()
+        await wait_for(lambda: all(s.state.mode == "fallback" for s in sims), 5, "the fallback", check=check)
+        assert [s.state.share_replicas for s in sims] == [3, 3, 3]
+        assert sorted(s.state.grant(KEY) for s in sims) == [2, 2, 2]
+        await asyncio.sleep(0.2)
+        check()
+        # A starts nothing new while its own in flight is at or above its share; B and C
+        # take theirs: 10 in flight, the bound exactly (6 + 6 - 2)
+        assert (a.total_inflight, b.total_inflight, c.total_inflight) == (6, 2, 2)
+        assert worst == 10 == _outage_bound(sims, capacity)
+
+        # A's old requests finish: the excess shrinks with them, and A dispatches again
+        # only once its in flight is below its share
+        for _ in range(4):
+            a.complete_old()
+            check()
+        assert a.total_inflight == 2 and a.waiting[1] == 20
+        a.complete_old()
+        check()
+        assert a.total_inflight == 2 and a.waiting[1] == 19  # one new one, under its share
+        a.complete_old()
+        check()
+        assert a.old == 0 and sum(s.total_inflight for s in sims) == capacity
+        assert _outage_bound(sims, capacity) == capacity
+
+        redis_server.start()  # empty: the claims are rebuilt from the reports
+        await wait_for(lambda: all(s.state.mode == "shared" and not s.state.rebuilding for s in sims), 10, "the rebuild", check=check)
+        await asyncio.sleep(0.2)
+        assert claims(sims) <= capacity
+    finally:
+        for s in sims:
+            await s.state.stop()
+
+
+async def test_the_fallback_share_divides_by_expected_replicas_at_least(redis_server):
+    """A deployment of 2 replicas (``expected_replicas: 2``) where only one has synced
+    lately: Redis says 1 live, but the fallback share is still capacity ÷ 2 (the other may
+    be serving without Redis too), and so is the local rate limit."""
+    settled(redis_server.url, "e")
+    cfg = config(redis_server.url, key_prefix="e", sync_interval_s=0.05, lease_s=0.6, timeout_s=0.05, expected_replicas=2)
+    sim = SimReplica(SharedState(cfg, replica_id="e0"), CAPACITY)
+    await sim.state.start()
+    try:
+        sim.arrive(cls=1, n=CAPACITY + 4)
+        await wait_for(lambda: sim.total_inflight == CAPACITY, 5, "the whole capacity while alone")
+        assert sim.state.live_replicas == 1 and sim.state.share_replicas == 2
+        assert sim.state.status()["share_replicas"] == 2
+        redis_server.stop()
+        await wait_for(lambda: sim.state.mode == "fallback", 5, "the fallback")
+        assert sim.state.grant(KEY) == CAPACITY // 2  # not the whole capacity: N is at least 2
+        for _ in range(CAPACITY // 2 + 1):
+            sim.complete(cls=1)
+        assert sim.total_inflight == CAPACITY // 2  # refilled to its share only
+        limit = RateLimit(10, None)
+        took = 0
+        for _ in range(10):
+            try:
+                await sim.state.reserve_rate("eve", "g", limit, NONE, 1)
+                took += 1
+            except RateLimited:
+                pass
+        assert took == 5  # 10 per minute ÷ 2
     finally:
         await sim.state.stop()

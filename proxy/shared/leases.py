@@ -351,6 +351,10 @@ class LeaseTable:
 
     def take_shares(self, replicas: int, rank: int | None) -> bool:
         """Second step (no sync for a whole lease): each grant becomes the fallback share.
+        The grant is the local cap, not room: a replica whose in flight is still above its
+        share dispatches nothing until it drains below it, but the other replicas cannot
+        see that, so the total may exceed the capacity by what replicas still run above
+        their shares from before the outage (see :mod:`proxy.shared.sync`).
         Returns whether anything changed."""
         changed = False
         for key, cap in self._capacity.items():

@@ -17,12 +17,27 @@ buffered and travels with the sync, one pipelined round trip every ``sync_interv
 - ``shared``: the last sync succeeded.
 - ``degraded``: a sync or a reserve failed (error, or no answer within ``timeout_s``),
   less than ``lease_s`` after the last successful sync. Each grant drops to
-  min(grant, capacity ÷ replicas) at once (only lowering: always safe); rate limits are
-  enforced locally at limit ÷ replicas; nothing waits for Redis any more.
-- ``fallback``: no successful sync for ``lease_s``. Each grant becomes capacity ÷
-  replicas (the last live count Redis reported, at least ``expected_replicas``). Every
-  replica that can still reach Redis has shrunk by then (a lease is at least four sync
-  intervals), so a full outage never overcommits: the shares add up to the capacity.
+  min(grant, capacity ÷ N) at once (only lowering: always safe); rate limits are
+  enforced locally at limit ÷ N; nothing waits for Redis any more. N is
+  :attr:`SharedState.share_replicas`: the live count Redis last reported, at least
+  ``expected_replicas``.
+- ``fallback``: no successful sync for ``lease_s``. Each grant becomes the share
+  capacity ÷ N (remainders to the lowest ranks: the shares of replicas that last saw the
+  same live set add up to at most the capacity). A replica dispatches only while its own in
+  flight is below its grant, so one that still runs more than its share from before the
+  outage starts nothing new until its in flight is below its share.
+
+  **The bound of a full outage.** Let old_i(t) be replica i's units in flight at time t
+  that it dispatched before its first failed call, and share_i its share. After that
+  call its grant is at most share_i, so its in flight is at most max(share_i, old_i(t)),
+  and the engines' total in flight is at most
+  ``C + Σ_i max(0, old_i(t) − share_i)``. While no replica has reached ``fallback`` it
+  is at most C (``degraded`` only lowers grants under the claims Redis held). The excess
+  exists only when a replica held more than its share when Redis went away and its
+  requests outlive about ``lease_s`` − ``sync_interval_s``; it shrinks as those requests finish and is gone when
+  they all have (it is at most C − min_i share_i). It is not zero because the other
+  replicas cannot see, without Redis, when those requests finish; holding their shares
+  back until then would leave them unable to serve for the whole outage.
   The first successful sync after this opens a rebuild window (see
   :mod:`proxy.shared.leases`).
 
@@ -342,14 +357,14 @@ class SharedState:
             since = self._clock() - self._started_at
         if since >= self.config.lease_s:
             self.mode = "fallback"
-            changed = self.leases.take_shares(self.live_replicas, self.rank)
+            changed = self.leases.take_shares(self.share_replicas, self.rank)
         else:
             self.mode = "degraded"
-            changed = self.leases.shrink_to_shares(self.live_replicas, self.rank)
+            changed = self.leases.shrink_to_shares(self.share_replicas, self.rank)
         if self.mode != was:
             log.warning(
                 "shared state: Redis unreachable (%s); %s: local share of capacity and limits = 1/%d",
-                _describe(error), self.mode, self.live_replicas,
+                _describe(error), self.mode, self.share_replicas,
             )
         if changed:
             self._on_change()
@@ -385,6 +400,14 @@ class SharedState:
             async with asyncio.timeout(self._timeout):  # a restarted Redis: load, send again
                 await self._reserve_redis.script_load(script.script)
         raise AssertionError("unreachable")
+
+    @property
+    def share_replicas(self) -> int:
+        """N, the divisor of the local shares (capacity and limits ÷ N) while Redis cannot
+        be reached: the live replicas Redis last reported, at least ``expected_replicas``
+        (a deployment that runs 2 replicas but saw 1 live at its last sync still assumes
+        the other may be serving)."""
+        return max(self.expected_replicas, self.live_replicas)
 
     # --------------------------------------------------------------- hot path
 
@@ -426,7 +449,7 @@ class SharedState:
                 if wait > 0:
                     raise RateLimited(wait, scope, unit)
                 return Reservation(buckets, tokens)
-        self.local_buckets.take(buckets, tokens, self.live_replicas, self.mirror)
+        self.local_buckets.take(buckets, tokens, self.share_replicas, self.mirror)
         self.adjustments.add(buckets, 1, tokens)  # charged to Redis when it answers again
         return Reservation(buckets, tokens, local=True)
 
@@ -475,6 +498,7 @@ class SharedState:
             "mode": self.mode,
             "replica_id": self.replica_id,
             "live_replicas": self.live_replicas,
+            "share_replicas": self.share_replicas,
             "rebuilding": self.rebuilding,
             "grants": self.leases.grants(),
             "syncs": self.syncs,
