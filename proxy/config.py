@@ -244,15 +244,17 @@ class SharedStateConfig(_Model):
     """Share one QoS state between proxy processes through Redis (``docs/scaling.md``).
 
     ``url``: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or
-    ``unix:///path?db=0`` (Redis or Valkey, 6.2 or later). ``password_env``: a variable
-    holding the password, for a URL without one. ``key_prefix``: the deployment's
-    namespace; every key is ``{key_prefix}:...``, one Redis Cluster hash slot.
+    ``unix:///path?db=0`` (one Redis or Valkey server, 6.2 or later, through a plain
+    client: Redis Cluster is not supported). ``password_env``: a variable holding the
+    password, for a URL without one. ``key_prefix``: the deployment's namespace; every key
+    is ``{key_prefix}:...``.
     ``sync_interval_s``: how often each process renews its capacity leases and pushes its
     counters. ``lease_s``: a process that has not renewed for this long loses its grants
     (capacity returns to the others), and a process that cannot reach Redis for this long
     takes its local share. ``timeout_s``: the bound on every Redis call; a call past it
-    counts as Redis unreachable. ``expected_replicas``: how many processes a process
-    assumes before it has ever reached Redis (``--workers N`` raises it to N).
+    counts as Redis unreachable. ``expected_replicas``: the fewest processes a process
+    assumes when it takes its local share without Redis (capacity and limits ÷ the live
+    count Redis last reported, at least this; ``--workers N`` raises it to N).
     ``service_ttl_s``: a user's shared service counter is forgotten after this long
     without service or a waiting request. Changes take effect at the next restart.
     """

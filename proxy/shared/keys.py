@@ -1,14 +1,15 @@
 """The Redis key layout of the shared state: every key name is made here.
 
 All keys of one deployment start with ``{PREFIX}:`` (``shared_state.key_prefix`` in
-braces): Redis Cluster hashes only the part in braces, so every key lands in one hash slot
-and the multi-key Lua scripts are valid on a cluster too.
+braces). The client is a plain Redis client to one server, not a Redis Cluster client, so
+a cluster is not supported; the braces would at least keep every key of a deployment in
+one hash slot (a cluster hashes only the part in braces), as multi-key scripts need there.
 
 =================================  ======  ==========================================================
 key                                type    content
 =================================  ======  ==========================================================
 ``{P}:replicas``                   zset    replica id -> lease expiry (Redis ``TIME``, ms)
-``{P}:epoch``                      hash    ``rebuild_until`` (ms), ``n`` (replicas assumed while rebuilding)
+``{P}:epoch``                      hash    ``rebuild_until`` (ms): the end of the rebuild window
 ``{P}:lease:<capacity key>``       hash    replica id -> JSON ``{a, g, f, c, d}``: applied grant, issued
                                            grant, in flight, capacity, demand per class
 ``{P}:replica:<replica id>``       hash    ``svc_seq``, ``rl_seq``: last batch of deltas applied
