@@ -411,6 +411,8 @@ def test_two_proxy_replicas_share_one_redis(compose):
         assert last - first + 1 >= svc["deploy"]["replicas"]  # a host port for each replica
         cfg = load_config(ROOT / "config" / config_file)
         assert cfg.shared_state is not None and cfg.shared_state.url.startswith("redis://redis:6379/")
+        # without Redis each replica takes capacity ÷ N, N never below the replicas that run
+        assert cfg.shared_state.expected_replicas == svc["deploy"]["replicas"]
 
 
 # ------------------------------------------------------------------- preflight

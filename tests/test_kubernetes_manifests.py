@@ -99,6 +99,8 @@ def test_proxy_config_is_a_mounted_directory_and_valid_for_the_proxy():
     redis_svc = _one("Service", "llm-qos-redis")
     assert cfg.shared_state is not None
     assert cfg.shared_state.url.startswith(f"redis://llm-qos-redis:{redis_svc['spec']['ports'][0]['port']}/")
+    # without Redis each replica takes capacity ÷ N, N never below the replicas that run
+    assert cfg.shared_state.expected_replicas == dep["spec"]["replicas"]
 
 
 def test_admin_key_comes_from_a_secret():
