@@ -6,8 +6,10 @@ graceful leave, and a SIGKILLed replica's capacity returning after the lease."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -247,11 +249,23 @@ def test_a_sigkilled_replica_loses_its_grant_after_the_lease(redis_server):
         [sys.executable, "-m", "tests.shared_replica", redis_server.url, "kill", "victim", "8", "100", str(lease_s)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
     )
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:  # in a thread: a victim that hangs silent cannot hang the test
+        for line in victim.stdout:
+            lines.put(line)
+        lines.put("")  # EOF
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 20
         while True:  # the victim's own report: it holds all 8 once the rebuild window closed
-            line = victim.stdout.readline()
-            assert line and time.monotonic() < deadline, "victim did not get its grant"
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            assert line, "victim did not get its grant within 20 s" if line is None else "victim exited before its grant"
             if line.strip() == "grant 8 inflight 8":
                 break
 
@@ -279,4 +293,5 @@ def test_a_sigkilled_replica_loses_its_grant_after_the_lease(redis_server):
         if victim.poll() is None:
             victim.kill()
             victim.wait()
+        reader.join(5)  # the victim is dead: its output ends
         victim.stdout.close()
