@@ -112,16 +112,25 @@ def _popen(cmd: list[str], log: Path, cpus: set[int] | None, src: Path = REPO_RO
 
 
 def start_fake_upstream(
-    port: int, workdir: Path, ttft_s: float = 0.0, itl_s: float = 0.0, cpus: set[int] | None = None, max_model_len: int | None = None
+    port: int, workdir: Path, ttft_s: float = 0.0, itl_s: float = 0.0, cpus: set[int] | None = None, max_model_len: int | None = None,
+    name: str | None = None,
 ) -> subprocess.Popen:
     """``python -m bench.fake_upstream`` on 127.0.0.1:``port``; returns once it listens.
-    ``max_model_len``: refuse longer requests with a 400, as vLLM does."""
+    ``max_model_len``: refuse longer requests with a 400, as vLLM does. ``name``: run
+    :mod:`bench.scripted_engine` under that name instead (an engine of a pool: it answers
+    the proxy's health checks and tags its answers ``X-Engine: name``)."""
     log = workdir / f"fake-upstream-{port}.log"
-    cmd = [sys.executable, "-m", "bench.fake_upstream", "--port", str(port), "--ttft-s", str(ttft_s), "--itl-s", str(itl_s)]
+    module = "bench.scripted_engine" if name else "bench.fake_upstream"
+    cmd = [sys.executable, "-m", module, "--port", str(port), "--ttft-s", str(ttft_s), "--itl-s", str(itl_s)]
+    if name:
+        cmd += ["--name", name]
     if max_model_len is not None:
+        if name:
+            raise ValueError("the scripted engine has no max_model_len")
         cmd += ["--max-model-len", str(max_model_len)]
     proc = _popen(cmd, log, cpus)
-    _wait_line(proc, "fake upstream ready", 30, "fake upstream", log)
+    what = f"scripted engine {name}" if name else "fake upstream"
+    _wait_line(proc, f"{what} ready", 30, what, log)
     return proc
 
 
@@ -150,13 +159,16 @@ def write_proxy_config(path: Path, upstream_url: str, max_inflight: int = 4096, 
 
 
 def start_proxy(
-    config: Path, port: int, upstream_url: str, workdir: Path, cpus: set[int] | None = None, src: Path | None = None
+    config: Path, port: int, upstream_url: str | None, workdir: Path, cpus: set[int] | None = None, src: Path | None = None
 ) -> subprocess.Popen:
     """``python -m proxy proxy`` on 127.0.0.1:``port`` (its log, access lines included,
-    goes to a file, as under a supervisor); returns once it listens. ``src``: run the
+    goes to a file, as under a supervisor); returns once it listens. ``upstream_url``:
+    given as ``--upstream`` (``None`` for a config with ``pools``). ``src``: run the
     proxy package of another checkout (before/after comparisons)."""
     log = workdir / f"proxy-{port}.log"
-    cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream_url, "--no-watch"]
+    cmd = [sys.executable, "-m", "proxy", "proxy", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--no-watch"]
+    if upstream_url is not None:
+        cmd += ["--upstream", upstream_url]
     proc = _popen(cmd, log, cpus, Path(src) if src else REPO_ROOT)
     proc.log_path = log  # type: ignore[attr-defined]
     _wait_line(proc, "llm-qos proxy ready on", 60, "proxy", log)

@@ -9,6 +9,8 @@ weight. Every run is bounded by both ``--duration-s`` and ``--requests``.
 Reports requests/s, p50/p99 latency (request sent -> last byte), p50/p99 TTFT (first body
 byte, streaming), errors by status (``conn`` for connection errors, ``timeout``), and
 tokens per API key (from ``usage`` when the answer carries it, else one per SSE event).
+``LoadSpec.record`` also keeps one record per request (key, status, times, tokens, the
+engine that served it), for benchmarks that need more than the summary.
 
 ``--procs N`` splits the load over N processes (the client must cost less than what it
 measures); :func:`run_load_procs` does the same from Python.
@@ -52,6 +54,7 @@ class LoadSpec:
         seed: seed of the key draw.
         prompt: the user message.
         cpus: pin the load process(es) to these CPUs for this run (``None``: leave as is).
+        record: keep one record per measured request in :attr:`LoadResult.records`.
     """
 
     url: str
@@ -69,6 +72,7 @@ class LoadSpec:
     seed: int = 1
     prompt: str = "Say something short."
     cpus: list | None = None
+    record: bool = False
 
 
 @dataclass
@@ -82,6 +86,10 @@ class LoadResult:
     tokens: dict = field(default_factory=dict)  # api key -> output tokens
     chunks: int = 0  # body chunks read from the socket (streams)
     ok: int = 0
+    # with LoadSpec.record: [key, status (int, or "timeout" / "conn"), sent, ttft (None
+    # unless a stream answered), ended, output tokens, the answer's X-Engine header]; times
+    # are time.perf_counter() seconds (CLOCK_MONOTONIC on Linux: one clock for all processes)
+    records: list = field(default_factory=list)
 
     def merge(self, other: "LoadResult") -> "LoadResult":
         self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
@@ -93,6 +101,7 @@ class LoadResult:
             self.tokens[k] = self.tokens.get(k, 0) + v
         self.chunks += other.chunks
         self.ok += other.ok
+        self.records += other.records
         return self
 
     def summary(self) -> dict:
@@ -162,18 +171,26 @@ async def run_load(spec: LoadSpec) -> LoadResult:
     counter = [0]
     recording = [False]
 
+    def record(key: str, status, t0: float, ttft: float | None, tokens: int, engine: str | None) -> None:
+        if spec.record:
+            res.records.append([key, status, t0, ttft, time.perf_counter(), tokens, engine])
+
     async def one(i: int) -> None:
         key = draw[i % len(draw)]
         data, headers = bodies[key]
         t0 = time.perf_counter()
         ttft = None
         tokens = None
+        engine = None
         try:
             async with session.post(url, data=data, headers=headers) as resp:
+                if spec.record:
+                    engine = resp.headers.get("X-Engine")
                 if resp.status != 200:
                     await resp.read()
                     if recording[0]:
                         res.errors[resp.status] = res.errors.get(resp.status, 0) + 1
+                        record(key, resp.status, t0, None, 0, engine)
                     return
                 if spec.stream:
                     events = 0
@@ -199,10 +216,12 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         except asyncio.TimeoutError:
             if recording[0]:
                 res.errors["timeout"] = res.errors.get("timeout", 0) + 1
+                record(key, "timeout", t0, ttft, 0, engine)
             return
         except aiohttp.ClientError:
             if recording[0]:
                 res.errors["conn"] = res.errors.get("conn", 0) + 1
+                record(key, "conn", t0, ttft, 0, engine)
             return
         if recording[0]:
             res.latencies.append(time.perf_counter() - t0)
@@ -210,6 +229,7 @@ async def run_load(spec: LoadSpec) -> LoadResult:
                 res.ttfts.append(ttft)
             res.tokens[key] = res.tokens.get(key, 0) + (tokens or 0)
             res.ok += 1
+            record(key, 200, t0, ttft, tokens or 0, engine)
 
     async with aiohttp.ClientSession(connector=conn, timeout=timeout, skip_auto_headers=("User-Agent",)) as session:
         # warm-up (connections opened, code paths hot), not recorded

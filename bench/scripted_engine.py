@@ -65,10 +65,13 @@ async def _engine(request: web.Request, handler):
             request.transport.close()  # no status line, no byte: a reset before the answer
             raise asyncio.CancelledError
         if isinstance(gen, int):
-            return web.json_response({"error": {"message": f"scripted {gen}", "type": "server_error"}}, status=gen, headers={"X-Engine": script.name})
-    resp = await handler(request)
-    resp.headers["X-Engine"] = script.name
-    return resp
+            return web.json_response({"error": {"message": f"scripted {gen}", "type": "server_error"}}, status=gen)
+    return await handler(request)
+
+
+async def _tag(request: web.Request, resp: web.StreamResponse) -> None:
+    """``X-Engine`` on every answer, streams included (their headers go out at prepare)."""
+    resp.headers["X-Engine"] = request.app[SCRIPT].name
 
 
 async def _check(request: web.Request, answer) -> web.StreamResponse:
@@ -208,6 +211,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 def make_app(name: str = "engine", models_served: list[str] | None = None, ttft_s: float = 0.0, itl_s: float = 0.0, load: float = 0.0) -> web.Application:
     """The scripted engine's app (serve it with ``handler_cancellation=True``)."""
     app = web.Application(middlewares=[_engine])
+    app.on_response_prepare.append(_tag)
     app[STATS] = Stats()
     app[TIMING] = Timing(ttft_s, itl_s)
     app[SCRIPT] = Script(name=name, models=list(models_served or [fake_upstream.MODEL]), load=load)
