@@ -9,13 +9,16 @@ Two hot-path operations had private shortcuts, replaced by public ways:
 * **the access-log record.** ``Logger.info()`` walks the stack to find the caller's file
   and line (``Logger.findCaller``) for every record, a field the proxy never prints; the
   private ``logging._srcfile = None`` switched that walk off for the whole process. The
-  access line is now made with the public ``Logger.makeRecord()`` and passed to
-  ``Logger.handle()``, which skips the walk for that one logger.
+  access line is now a ``logging.LogRecord(...)`` built directly (the public class, behind
+  an ``isEnabledFor`` check) and passed to ``Logger.handle()``, which skips the walk for
+  that one logger (``proxy.handlers._log_access``). ``Logger.makeRecord()`` + ``handle()``,
+  the other public way, is timed beside it.
 
 For each: the stock public call, the public way the proxy uses, and what it means for
 one finished request (5 labelled metric updates and 1 access-log line, as in
 ``proxy.handlers._account`` and ``_log_access``). Timings are the median of
-``--repeats`` runs of ``--iters`` calls (the machine may be shared).
+``--repeats`` runs of ``--iters`` calls, the operations taking turns (the machine may be
+shared).
 
     python -m bench.public_api
 """
@@ -30,6 +33,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from proxy.log_format import ACCESS_FORMATTER
 from proxy.metrics import LATENCY_BUCKETS, LabelCache
 
 LABEL_CALLS_PER_REQUEST = 5  # queue_wait, requests, ttft, tokens x2 (proxy.handlers._account)
@@ -37,14 +41,17 @@ LOG_LINES_PER_REQUEST = 1
 LINE = '{"user":"alice","group":"platinum","outcome":"ok","detail":null,"queue_wait_s":0.0,"ttft_s":0.0012,"duration_s":0.0031,"prompt_tokens":10,"output_tokens":8}'
 
 
-def _time(fn, iters: int, repeats: int) -> float:
-    """Median microseconds per call of ``fn(n)`` running ``n`` iterations."""
-    runs = []
+def _time(fns: dict, iters: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each ``fn(n)`` (running ``n`` iterations). The runs
+    take turns (a, b, c, a, b, c, ...), so that on a shared machine every operation sees
+    the same noise."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(iters)
-        runs.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(runs)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(iters)
+            runs[name].append((time.perf_counter() - t0) / iters * 1e6)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def label_timings(iters: int, repeats: int) -> dict[str, float]:
@@ -76,30 +83,36 @@ def label_timings(iters: int, repeats: int) -> dict[str, float]:
         for _ in range(n):
             cc.labels("platinum", "ok").inc()
 
-    return {
-        "stock labels() (counter, 2 labels)": _time(stock, iters, repeats),
-        "stock labels() (histogram, 1 label)": _time(stock_hist, iters, repeats),
-        "LabelCache.labels() (counter)": _time(cached, iters, repeats),
-        "LabelCache.labels() (histogram)": _time(cached_hist, iters, repeats),
-        "LabelCache.labels().inc()": _time(cached_inc, iters, repeats),
-    }
+    return _time({
+        "stock labels() (counter, 2 labels)": stock,
+        "stock labels() (histogram, 1 label)": stock_hist,
+        "LabelCache.labels() (counter)": cached,
+        "LabelCache.labels() (histogram)": cached_hist,
+        "LabelCache.labels().inc()": cached_inc,
+    }, iters, repeats)
 
 
 def _logger() -> logging.Logger:
-    """A logger set up as the proxy's access log: a MemoryHandler buffering 256 lines,
-    flushing to a stream handler on /dev/null."""
+    """A logger set up as the proxy's access log (``proxy.server.configure_logging``): a
+    MemoryHandler buffering 256 lines, flushing to a stream handler (here on /dev/null)
+    with the access log's formatter."""
     log = logging.getLogger("bench.public_api.access")
     log.propagate = False
     log.setLevel(logging.INFO)
     sink = logging.StreamHandler(open("/dev/null", "w"))  # noqa: SIM115 - lives as long as the run
-    sink.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    sink.setFormatter(ACCESS_FORMATTER)
     log.addHandler(logging.handlers.MemoryHandler(256, flushLevel=logging.ERROR, target=sink))
     return log
 
 
+PROXY_WAY = "LogRecord() + handle() (the proxy's way)"
+
+
 def log_timings(iters: int, repeats: int) -> dict[str, float]:
-    """Microseconds per access-log line: ``Logger.info`` (with the caller lookup) and
-    ``Logger.makeRecord`` + ``Logger.handle`` (without), formatting and writing included."""
+    """Microseconds per access-log line, formatting and writing included: ``Logger.info``
+    (with the caller lookup); the proxy's way, ``isEnabledFor`` then a ``LogRecord`` made
+    directly and passed to ``Logger.handle`` (as ``proxy.handlers._log_access``); and
+    ``Logger.makeRecord`` + ``Logger.handle`` (without the lookup too)."""
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False  # as the proxy does (public switches)
     log = _logger()
 
@@ -107,7 +120,12 @@ def log_timings(iters: int, repeats: int) -> dict[str, float]:
         for _ in range(n):
             log.info(LINE)
 
-    def record(n: int) -> None:
+    def direct(n: int) -> None:
+        for _ in range(n):
+            if log.isEnabledFor(logging.INFO):
+                log.handle(logging.LogRecord(log.name, logging.INFO, __file__, 0, LINE, None, None))
+
+    def make_record(n: int) -> None:
         for _ in range(n):
             log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, LINE, None, None))
 
@@ -115,11 +133,12 @@ def log_timings(iters: int, repeats: int) -> dict[str, float]:
         for _ in range(n):
             log.findCaller()
 
-    out = {
-        "Logger.info() (finds the caller)": _time(info, iters, repeats),
-        "makeRecord() + handle() (the proxy's way)": _time(record, iters, repeats),
-        "Logger.findCaller() alone (what is skipped)": _time(find_caller, iters, repeats),
-    }
+    out = _time({
+        "Logger.info() (finds the caller)": info,
+        PROXY_WAY: direct,
+        "makeRecord() + handle()": make_record,
+        "Logger.findCaller() alone (what is skipped)": find_caller,
+    }, iters, repeats)
     for h in log.handlers:
         h.flush()
     return out
@@ -137,11 +156,12 @@ def main() -> None:
         print(f"{name:48s} {us:9.3f}")
     stock = labels["stock labels() (counter, 2 labels)"] * 4 + labels["stock labels() (histogram, 1 label)"]
     cached = labels["LabelCache.labels() (counter)"] * 4 + labels["LabelCache.labels() (histogram)"]
-    info, rec = logs["Logger.info() (finds the caller)"], logs["makeRecord() + handle() (the proxy's way)"]
+    info, rec = logs["Logger.info() (finds the caller)"], logs[PROXY_WAY]
     print()
     print(f"per request ({LABEL_CALLS_PER_REQUEST} labelled updates, {LOG_LINES_PER_REQUEST} access line):")
     print(f"  labels(): stock {stock:.2f} µs, cached {cached:.2f} µs (saves {stock - cached:.2f} µs)")
-    print(f"  access line: Logger.info {info:.2f} µs, makeRecord+handle {rec:.2f} µs; the caller lookup skipped: {logs['Logger.findCaller() alone (what is skipped)']:.2f} µs")
+    print(f"  access line: Logger.info {info:.2f} µs, LogRecord+handle {rec:.2f} µs (makeRecord+handle {logs['makeRecord() + handle()']:.2f} µs); "
+          f"the caller lookup skipped: {logs['Logger.findCaller() alone (what is skipped)']:.2f} µs")
 
 
 if __name__ == "__main__":
