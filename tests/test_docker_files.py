@@ -467,3 +467,14 @@ def test_preflight_gpu_needs_the_nvidia_runtime(tmp_path):
     assert "no 'nvidia' runtime" in _preflight(_fake_docker(tmp_path, "27.3.1", "1.47", "2.29.7"), "gpu").stdout
     env = _fake_docker(tmp_path, "27.3.1", "1.47", "2.29.7", runtimes='{"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}')
     assert _preflight(env, "gpu").returncode == 0
+
+
+def test_the_standalone_proxy_example_needs_no_redis():
+    """docs/deploy.md's lone ``docker run`` of the proxy copies a config: it must not name
+    the compose stack's Redis (no such service beside one container)."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text[text.index("## The proxy in front of an engine you already run"):]
+    (copied,) = re.findall(r"cp (config/\S+) ~/llm-qos/config\.yaml", section[: section.index("docker run")])
+    cfg = load_config(ROOT / copied)  # valid, by the proxy's own loader
+    assert cfg.shared_state is None, f"{copied} has a shared_state section: a lone docker run has no Redis"
+    assert load_config(ROOT / "config" / "config.yaml").shared_state is not None  # the compose stack's has one
