@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 
-from .pool_config import PassthroughConfig, PoolConfig, PoolSpec, bundled_pool_config, check_pools, resolve_pools
+from .pool_config import PassthroughConfig, PoolConfig, PoolSpec, base_url, bundled_pool_config, check_pools, resolve_pools
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -107,11 +107,7 @@ class UpstreamConfig(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not (v.startswith("http://") or v.startswith("https://")):
-            raise ValueError("must start with http:// or https://")
-        if "?" in v or "#" in v:
-            raise ValueError("must not have a query (?...) or fragment (#...): the client's query string is passed to the upstream as is")
-        return v.rstrip("/")
+        return base_url(v)
 
     def credential(self) -> str | None:
         """The upstream API key: ``api_key``, else the variable named by ``api_key_env``."""

@@ -41,9 +41,20 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _base_url(v: str) -> str:
+def base_url(v: str) -> str:
+    """An engine's base URL as validated everywhere one is given (``upstream.url``,
+    ``pools[].engines[].url``, ``--upstream``): ``http://`` or ``https://``, no query or
+    fragment (the proxy appends the request's path and the client's own query string:
+    ``http://e:8000?k=1`` would become ``http://e:8000?k=1/v1/chat/completions``), no
+    trailing ``/``.
+
+    Raises:
+        ValueError: another scheme, or a ``?`` or ``#`` in it.
+    """
     if not (v.startswith("http://") or v.startswith("https://")):
         raise ValueError("must start with http:// or https://")
+    if "?" in v or "#" in v:
+        raise ValueError("must not have a query (?...) or fragment (#...): the client's query string is passed to the upstream as is")
     return v.rstrip("/")
 
 
@@ -166,7 +177,7 @@ class EngineConfig(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        return _base_url(v)
+        return base_url(v)
 
     @property
     def engine_name(self) -> str:

@@ -471,6 +471,40 @@ def test_an_upstream_url_with_a_query_or_fragment_is_refused(url, tmp_path):
     assert run.returncode == 2 and "must not have a query" in run.stderr
 
 
+def _refused_at_start(cfg: dict, tmp_path: Path, *args: str) -> str:
+    """Start the real proxy on ``cfg`` (plus CLI ``args``); it must refuse: exit 2. Its stderr."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run(
+        [sys.executable, "-m", "proxy", "proxy", "--config", str(path), "--port", str(free_port()), *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    return run.stderr
+
+
+@pytest.mark.parametrize("url", ["http://engine-b:8000?api-version=1", "http://engine-b:8000/v1#frag"])
+def test_a_pool_engine_url_with_a_query_or_fragment_is_refused(url, tmp_path):
+    """The same rule as ``upstream.url`` (one validator): before, a pool engine's query
+    was kept and every request went to ``...?api-version=1/v1/chat/completions``."""
+    cfg = {
+        "upstream": {"kind": "openai"},
+        "default_group": "g",
+        "groups": [{"name": "g"}],
+        "pools": [{"name": "p", "models": ["*"], "engines": [{"url": "http://engine-a:8000"}, {"url": url}]}],
+    }
+    with pytest.raises(ConfigError, match=r"pools\.0\.engines\.1\.url: .*must not have a query"):
+        parse_config(yaml.safe_dump(cfg), "c.yaml")
+    assert "must not have a query" in _refused_at_start(cfg, tmp_path)
+
+
+def test_repeated_upstream_flags_with_a_query_are_refused(tmp_path):
+    """``--upstream A --upstream B`` makes a pool of two engines: B's query is refused too."""
+    cfg = {"default_group": "g", "groups": [{"name": "g"}]}
+    err = _refused_at_start(cfg, tmp_path, "--upstream", "http://engine-a:8000", "--upstream", "http://engine-b:8000?key=1")
+    assert "--upstream" in err and "must not have a query" in err
+
+
 # ------------------------------------------------------------------------- aborts
 
 
