@@ -7,7 +7,8 @@ serve sends it) unless the request asks ``stream_options.include_usage``: then, 
 and OpenAI, a separate last chunk with ``choices: []`` carries it. Per-request overrides ride in the body (the proxy forwards the
 body unchanged): ``"fake": {"ttft_s": 0.5, "itl_s": 0.01, "no_done": true,
 "usage": false, "fail_after": 3, "status": 500, "prompt": 5000}`` (``prompt``: the prompt
-tokens to report in ``usage``, default 10). With ``max_model_len`` set (``--max-model-len``),
+tokens to report in ``usage``, default 10; ``"usage": "asked"``: as vLLM, a stream reports
+usage only when the request asks ``stream_options.include_usage``). With ``max_model_len`` set (``--max-model-len``),
 a request whose ``max_tokens`` plus prompt exceeds it is refused at once with a 400, the way
 vLLM refuses it.
 
@@ -144,7 +145,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
             await resp.write(b"data: " + orjson.dumps({"id": "fake", "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": MODEL, "choices": [], "usage": usage}) + b"\n\n")
         else:
-            await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True)))
+            await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True) is True))
         if not fake.get("no_done"):
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
