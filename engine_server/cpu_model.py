@@ -17,7 +17,13 @@ The one-time conversion takes ~20-60 s and says what it does as it goes (INFO li
 with transformers' own per-tensor progress bar, ``4/4`` writing the folder), a
 ``still at step N/4 (T s)`` line every 10 s within a step, and the total time at the end.
 
-Sources: /work/shared/interop/cpu-engine.md (conversion recipe, ``do_sample`` quirk).
+The recipe, as checked with transformers 5.24: load tokenizer and model with
+``from_pretrained(folder, gguf_file=NAME)`` (float32); before ``save_pretrained``, clear the
+model's ``hf_quantizer`` and delete ``config.quantization_config`` (or saving refuses); set
+``"do_sample": true`` in the folder's ``generation_config.json``, without which ``transformers
+serve`` silently ignores ``temperature`` (always greedy). Pointing ``transformers serve``
+at the GGUF directly fails at start-up. User-facing account: docs/deploy.md, "The engine
+launcher".
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Engine ``i`` (from 0) listens on ``base_port + i`` and runs ``python -m engine_s
 with that port, so each is supervised and reports readiness as a single engine does.
 
 * CPU backend: N ``transformers serve`` processes (each ~1.8 GB of memory with the
-  default caps, ``shared/interop/cpu-engine.md``); they share the converted model folder.
+  default ``--cb-*`` caps, :mod:`engine_server.cpu_backend`; docs/deploy.md, "The ``cpu``
+  profile"); they share the converted model folder.
 * LightLLM backend: one instance per GPU group of ``tp`` GPUs. With more than one engine,
   engine ``i`` sees only GPUs ``i*tp .. i*tp+tp-1`` of the visible ones
   (``CUDA_VISIBLE_DEVICES``). NCCL ports: LightLLM v1.2.0 binds a free one itself when

@@ -3,8 +3,9 @@
 With ``upstream.stream_non_streaming: true`` the proxy asks the upstream to stream every
 request and rebuilds the whole answer for clients that did not ask for a stream. Why: some
 engines abort a generation when its connection closes only while streaming (the bundled
-CPU engine, ``transformers serve``, finishes a non-streamed generation whose client left;
-``shared/interop/cpu-engine.md``). Streaming upstream makes a departed client's abort
+CPU engine, ``transformers serve`` 5.24, finishes a non-streamed generation whose client
+left, and stops a stream's; docs/configuration.md, ``stream_non_streaming``). Streaming
+upstream makes a departed client's abort
 reach the engine in that window too.
 
 Every field the upstream sends is kept: the first chunk's top-level fields; per choice,
@@ -32,7 +33,7 @@ from aiohttp import web
 
 from .errors import engine_error_response, error_response
 from .metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
-from .relay import Exchange, note_upstream_id
+from .relay import Exchange, note_engine_error, note_upstream_id
 from .relay_headers import client_headers
 from .sse import SSEScanner, event_payloads
 
@@ -193,7 +194,7 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
     for h in ("Content-Type", "Cache-Control", "X-Accel-Buffering"):  # those of the stream
         headers.popall(h, None)
     if scanner.error is not None:
-        ex.outcome = OUTCOME_UPSTREAM_ERROR
+        note_engine_error(ex, scanner.error)
         ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
         ex.output_tokens = scanner.tokens
         resp = engine_error_response(scanner.error)

@@ -63,8 +63,10 @@ class Health(enum.Enum):
 
 def check_path_for(config: HealthConfig, kind: str) -> str:
     """The path an active check ``GET``s: ``config.check_path``, else ``/token_load``
-    for a ``lightllm`` engine (``/health`` of LightLLM 0.0.1 always answers 200:
-    ``shared/interop/lightllm.md``) and ``/v1/models`` for an ``openai`` one (every
+    for a ``lightllm`` engine (``/health`` of LightLLM 0.0.1 always answers 200, and
+    v1.2.0's answers 200 while nothing is in flight, which does not prove the engine
+    generates: docs/deploy.md, "LightLLM") and
+    ``/v1/models`` for an ``openai`` one (every
     OpenAI-compatible server, hosted APIs included, answers it)."""
     if config.check_path:
         return config.check_path
