@@ -9,10 +9,13 @@ The rule (``pools[].health``, :class:`proxy.pool_config.HealthConfig`):
 
 * **Passive.** Every request the relay sends reports its result
   (:meth:`EngineHealth.record_request`). A failure is: the connection refused or reset
-  before any answer byte, no response headers in time, a 5xx answer, or a stream cut
-  mid-way (:data:`FAILURE_REASONS`). ``failures_to_eject`` consecutive failures (3) eject
-  the engine; any success resets the count. A 4xx is the client's problem: it is a
-  success here.
+  before any answer byte, no response headers in time, a 5xx answer (or an error the
+  engine reports inside a 200 answer whose ``code`` is a 5xx), or a stream cut or
+  unfinished (:data:`FAILURE_REASONS`). ``failures_to_eject`` consecutive failures (3)
+  eject the engine; any success resets the count. A 4xx is the client's problem: it is
+  a success here, and so is any other error the engine reports in its answer (an
+  in-band error event with code 400, LightLLM's "prompt too long" event, a JSON 200
+  error body): the engine answered, and one client's bad requests must not eject it.
 * **Active.** Every ``check_interval_s`` (5 s; 0: never) an engine in rotation gets a
   ``GET check_path`` (``/token_load`` for LightLLM, ``/v1/models`` for OpenAI-style
   engines); a non-2xx answer, a connection error or no answer within

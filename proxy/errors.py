@@ -68,6 +68,16 @@ def sse_error_event(message: str, code: str) -> bytes:
     return b"data: " + error_body(502, message, code) + b"\n\n"
 
 
+def error_status(err: dict) -> int | None:
+    """The HTTP status an engine's error object names: its numeric ``code`` (vLLM,
+    SGLang) or ``status`` when that is a 4xx/5xx, else ``None``."""
+    for key in ("code", "status"):
+        v = err.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
+            return v
+    return None
+
+
 def engine_error_response(err: dict) -> web.Response:
     """An error the engine reported inside a stream (``data: {"error": {...}}``), answered
     to a client that asked for a non-streaming answer: the engine's error object as the
@@ -77,12 +87,7 @@ def engine_error_response(err: dict) -> web.Response:
     Args:
         err: the engine's error object (``proxy.sse.error_of``).
     """
-    status = 502
-    for key in ("code", "status"):
-        v = err.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
-            status = v
-            break
+    status = error_status(err) or 502
     body = {k: v for k, v in err.items() if k != "object"}
     body.setdefault("message", "the upstream reported an error")
     body.setdefault("type", _TYPES.get(status, "error"))

@@ -236,9 +236,16 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
         raise
     finally:
         if upstream is not None:
+            # the engine's health: a 5xx (as a status, or named by an error the engine
+            # reported in-band) is a failure; an error the engine reported otherwise (an
+            # in-band 400, "prompt too long") is the engine answering, like a 4xx status:
+            # a client's bad requests must not eject it. A stream that broke or ended
+            # unfinished is a failure.
             if upstream.status >= 500:
                 admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
-            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR and upstream.status < 400:  # a 4xx is the client's
+            elif (ex.engine_error_status or 0) >= 500:
+                admission.report(engine, False, "http_5xx", f"reported a {ex.engine_error_status} error in its answer")
+            elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR and upstream.status < 400 and not ex.engine_error:
                 admission.report(engine, False, "stream_cut", ex.detail)
             else:
                 admission.report(engine, True)

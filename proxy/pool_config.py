@@ -119,6 +119,9 @@ class HealthConfig(_Model):
 
     ``failures_to_eject`` (3): consecutive failed requests (connection refused or reset
     before any answer byte, no headers in time, a 5xx, a stream cut) that eject the engine.
+    An error the engine reports in its answer (an in-band error event, a JSON error body)
+    counts by the status it names: a 5xx fails, anything else is a success (the engine
+    answered, as with a 4xx).
     ``checks_to_eject`` (2): consecutive failed health checks that eject it.
     ``eject_base_s`` (2) / ``eject_max_s`` (60): an ejected engine is probed after
     ``min(eject_max_s, eject_base_s * 2**(n-1))`` seconds for its n-th ejection in a row,

@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .errors import error_status
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay_headers import REQUEST_ID, client_headers
 from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
@@ -68,6 +69,11 @@ class Exchange:
         upstream_request_id: the engine's own ``X-Request-Id`` when it differs.
         upstream_ended: the upstream answer was read to its end (its connection can be
             reused; there is nothing to abort).
+        engine_error: the error was the engine's own answer (an in-band error event, a
+            2xx JSON error body), not a broken or unfinished stream: for the engine's
+            health it answered (:mod:`proxy.engine_health`), as with a 4xx.
+        engine_error_status: the 4xx/5xx that error names (its numeric ``code``), if any:
+            a 5xx counts against the engine's health like a 5xx status.
     """
 
     arrived_at: float
@@ -84,6 +90,16 @@ class Exchange:
     detail: str = ""
     upstream_request_id: str | None = None
     upstream_ended: bool = False
+    engine_error: bool = False
+    engine_error_status: int | None = None
+
+
+def note_engine_error(ex: Exchange, err: dict) -> None:
+    """Record that the engine itself reported ``err`` (``proxy.sse.error_of``): the
+    outcome is ``upstream_error``; its health hears an answer (see :class:`Exchange`)."""
+    ex.outcome = OUTCOME_UPSTREAM_ERROR
+    ex.engine_error = True
+    ex.engine_error_status = error_status(err)
 
 
 def _is_count(v: object) -> bool:
@@ -244,7 +260,7 @@ async def relay_stream(
             _take_counts(ex, scanner)
             ending = held + pad
             if scanner.error is not None:
-                ex.outcome = OUTCOME_UPSTREAM_ERROR
+                note_engine_error(ex, scanner.error)
                 ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
             elif scanner.complete(choices):
                 ex.outcome = OUTCOME_OK
@@ -334,7 +350,8 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
             obj = None
-        if error_of(obj) is not None:
+        if (err := error_of(obj)) is not None:
+            note_engine_error(ex, err)
             failed, ex.detail = True, "error body with status %d" % upstream.status
         else:
             ex.prompt_tokens, out = _usage(obj, native)

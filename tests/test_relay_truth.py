@@ -54,12 +54,20 @@ class Proxy:
     access_log: Path
 
 
-def _start(up: ScriptedUpstream, folder: Path, upstream: dict | None = None, extra_args: list[str] | None = None) -> Proxy:
+ADMIN = "adm-relay-key"
+
+
+def _start(up: ScriptedUpstream | None, folder: Path, upstream: dict | None = None, extra_args: list[str] | None = None, **top) -> Proxy:
+    """The real proxy in front of ``up`` (or of the engines ``top["pools"]`` names)."""
     cfg = {
-        "upstream": {"url": up.url, "kind": "openai", "load_signal": {"enabled": False}, **(upstream or {})},
+        "upstream": {**({"url": up.url} if up is not None else {}), "kind": "openai", "load_signal": {"enabled": False}, **(upstream or {})},
         "admission": {"max_inflight": 16, "max_queue": 50, "queue_timeout_s": 20},
+        "admin": {"api_key": ADMIN},
         "default_group": "bronze",
-        "groups": [{"name": "bronze", "users": [{"id": "carl", "api_key": "sk-carl-secret"}]}],
+        "groups": [
+            {"name": "bronze", "users": [{"id": "carl", "api_key": "sk-carl-secret"}, {"id": "dora", "api_key": "sk-dora-secret"}]}
+        ],
+        **top,
     }
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -135,6 +143,12 @@ async def access_line(p: Proxy, request_id: str, timeout: float = 10.0) -> dict:
 
 def events(*evs: bytes) -> bytes:
     return b"".join(evs)
+
+
+async def admin_status(p: Proxy) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(p.url + "/admin/status", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200
+        return await r.json()
 
 
 # ------------------------------------------------------------------- compression
@@ -370,6 +384,44 @@ async def test_assembled_answer_of_a_cut_stream_is_a_502(assembling, up, model):
     up.on(model, stream([chat_chunk("half an ans"), chat_chunk("wer")]))
     status, _, raw = await call(assembling.url, chat(model))
     assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_stream_incomplete"
+
+
+IN_BAND_400 = b'data: {"error":{"object":"error","message":"bad grammar","type":"BadRequestError","param":null,"code":400}}\n\n'
+LIGHTLLM_TOO_LONG = b'data: {"error":{"message":"the input prompt token len 9000 is too long > 8192","type":"invalid_request_error"}}\n\n'
+
+
+async def test_in_band_client_errors_never_eject_an_engine(tmp_path, model):
+    """An engine that answers a client's bad request in-band (an error event with code
+    400 after a 200, LightLLM's "prompt too long" event, a JSON 200 error body, an
+    assembled answer's in-band 400) is answering, not failing: a pool of two engines
+    with ``failures_to_eject: 2`` keeps both in rotation through six such answers in a
+    row. The same pool ejects an engine on streams that really break (the control)."""
+    with ScriptedUpstream() as a, ScriptedUpstream() as b:
+        for u in (a, b):
+            u.on(model + "-event", stream([IN_BAND_400]))
+            u.on(model + "-lightllm", stream([LIGHTLLM_TOO_LONG]))
+            u.on(model + "-json200", reply(response(200, JSON, b'{"error":{"message":"bad grammar","type":"BadRequestError","code":400}}')))
+            u.on(model + "-assembled", stream([chat_chunk("x"), IN_BAND_400]))
+            u.on(model + "-cut", stream([chat_chunk("x")], end=False))
+        health = {"failures_to_eject": 2, "check_interval_s": 0, "eject_base_s": 60, "eject_max_s": 60}
+        pools = [{"name": "p", "models": ["*"], "engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}], "health": health}]
+        p = _start(None, tmp_path, {"stream_non_streaming": True}, pools=pools)
+        try:
+            for _ in range(2):
+                for suffix, streamed, want in (("-event", True, 200), ("-lightllm", True, 200), ("-json200", True, 200), ("-assembled", False, 400)):
+                    status, _, raw = await call(p.url, chat(model + suffix, stream=streamed))
+                    assert status == want and b"error" in raw, (suffix, status, raw)
+            engines = {e["name"]: e for e in (await admin_status(p))["engines"]}
+            assert [engines[n]["state"] for n in ("a", "b")] == ["healthy", "healthy"]
+            assert all(engines[n]["failures"]["stream_cut"] == 0 and engines[n]["ejections"] == 0 for n in ("a", "b"))
+            assert len(a.seen) >= 2 and len(b.seen) >= 2  # both engines answered some
+            for _ in range(4):  # the control: streams cut before their finish
+                status, _, raw = await call(p.url, chat(model + "-cut", stream=True))
+                assert b"upstream_stream_broken" in raw
+            engines = {e["name"]: e for e in (await admin_status(p))["engines"]}
+            assert "ejected" in [engines[n]["state"] for n in ("a", "b")]
+        finally:
+            assert stop_proxy(p.proc) == 0
 
 
 # ------------------------------------------------------------------ stream_options
