@@ -8,6 +8,7 @@ listens on anything but 127.0.0.1.
 from __future__ import annotations
 
 import os
+import random
 import resource
 import selectors
 import shutil
@@ -31,9 +32,37 @@ USERS = [
 KEYS = [(k, w) for k, _, _, w in USERS]
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range (Linux: ``ip_local_port_range``, 32768
+    and up by default), where no outgoing connection's source port can land."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (max(1024, low - 12000), low - 1) if low > 4096 else (40000, 60000)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server a test or a bench
+    starts. Drawn at random below the ephemeral range (a port the kernel hands out for
+    ``bind(0)`` is also a source port for outgoing connections, which may take it before
+    the server binds it), and never the same twice in one process."""
+    lo, hi = _port_range()
+    for _ in range(500):
+        port = random.randint(lo, hi)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range is crowded: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
