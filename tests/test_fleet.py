@@ -1,5 +1,5 @@
 """Several bundled engines on one host: ports, GPU groups, NCCL ports, and ``llm-qos up
---engines N`` as a user runs it."""
+--engines N`` as a user runs it (with two real CPU engines: tests/test_fleet_e2e.py)."""
 
 from __future__ import annotations
 
