@@ -18,7 +18,8 @@ The answer tells the truth about the stream it came from: an in-band error event
 becomes an error answer (the engine's error object, with the engine's numeric ``code``
 as the status when it is one, else 502), and a stream that ended before every choice
 got its ``finish_reason`` (and without ``[DONE]``) becomes a 502
-``upstream_stream_incomplete``: never a 200 with partial text. The request body the
+``upstream_stream_incomplete``: never a 200 with partial text. One that had finished and
+then broke before its end lost nothing, and is answered whole. The request body the
 proxy sends upstream instead is built by :mod:`proxy.upstream_body`.
 """
 
@@ -33,7 +34,7 @@ from aiohttp import web
 
 from .errors import engine_error_response, error_response
 from .metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
-from .relay import Exchange, note_engine_error, note_upstream_id
+from .relay import UPSTREAM_FAILURES, Exchange, note_engine_error, note_upstream_id
 from .relay_headers import client_headers
 from .sse import SSEScanner, event_payloads
 
@@ -170,9 +171,13 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
         The assembled answer (200, with the upstream's end-to-end headers); or an error
         answer: the engine's in-band error, or 502 ``upstream_stream_incomplete``.
 
+    A stream that had finished (every choice got its ``finish_reason``, or ``[DONE]``)
+    or carried the engine's error, and then broke or went idle before its end, is
+    answered as if it had ended there: nothing was lost.
+
     Raises:
-        aiohttp.ClientError, TimeoutError: the upstream broke before the end (the caller
-            answers 502).
+        aiohttp.ClientError, TimeoutError: the upstream broke before the answer was
+            whole (the caller answers 502).
         EventTooLarge: one event grew past ``proxy.sse.MAX_EVENT_BYTES`` (likewise).
         asyncio.CancelledError: the client went away (the caller aborts the upstream,
             which now aborts the generation).
@@ -180,14 +185,27 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
     asm = Assembler(chat)
     scanner = SSEScanner()
     buf = bytearray()
-    async for chunk in upstream.content.iter_any():
-        scanner.feed(chunk)
-        buf += chunk
-        _fold(asm, event_payloads(buf))
+    broke: Exception | None = None
+    try:
+        async for chunk in upstream.content.iter_any():
+            scanner.feed(chunk)
+            buf += chunk
+            _fold(asm, event_payloads(buf))
+    except UPSTREAM_FAILURES as e:
+        if scanner.error is None and not scanner.complete(choices):
+            raise  # the answer is not whole: the caller answers 502
+        broke = e
     ex.upstream_ended = True
-    scanner.end()
-    buf += b"\n\n"  # an unterminated last event
-    _fold(asm, event_payloads(buf))
+    if broke is None:
+        scanner.end()
+        buf += b"\n\n"  # an unterminated last event
+        _fold(asm, event_payloads(buf))
+    else:
+        # the engine had ended its answer (every choice's finish, or its own error) when
+        # the connection broke or went idle before its end: nothing was lost, the answer
+        # is assembled from what came (an unterminated event, what broke, is left out).
+        # The connection is closed, never reused; there is no generation left to abort.
+        upstream.close()
     ex.first_byte_at = asyncio.get_running_loop().time()
     note_upstream_id(ex, upstream.headers)
     headers = client_headers(upstream.headers, ex.request_id)
@@ -210,6 +228,8 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
         ex.output_tokens = out if isinstance(out, int) else scanner.tokens
         ex.prompt_tokens = prompt if isinstance(prompt, int) else None
         ex.outcome = OUTCOME_OK
+        if broke is not None:
+            ex.detail = f"the upstream broke after the stream finished: {type(broke).__name__}"
         resp = web.Response(body=orjson.dumps(body), content_type="application/json")
     for k, v in headers.items():
         if k not in resp.headers:

@@ -20,6 +20,9 @@ The relay tells the truth about how a stream ended (``shared/interop/lightllm.md
 * a Responses API stream ends with its own terminal event (``response.completed`` or
   ``.incomplete``; ``response.failed`` and ``error`` are in-band errors) and never gets a
   ``[DONE]``; a cut one gets a terminal ``error`` event, numbered after the last one;
+* a stream that had finished (or carried the engine's own error) and then broke or went
+  idle before its end (aiohttp's "Response payload is not completed") lost nothing: it is
+  closed as a finished stream (``[DONE]`` where it carried none), counted ``ok``;
 * every other end (no events at all, no ``finish_reason``, a broken connection, an idle
   upstream) gets a terminal error event and is counted ``upstream_error``;
 * a pass-through path's stream is relayed as bytes, with nothing added: when it breaks,
@@ -171,7 +174,8 @@ class StreamScanner(Protocol):
         """Why an ended stream is not complete (the access log's detail)."""
 
 
-_UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError, EventTooLarge)
+#: What reading an upstream answer raises when the upstream fails (not the client).
+UPSTREAM_FAILURES = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError, EventTooLarge)
 
 
 async def relay_stream(
@@ -225,6 +229,7 @@ async def relay_stream(
     stripper = UsageStripper() if strip_usage else None
     watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
+        broke: Exception | None = None
         try:
             async for chunk in upstream.content.iter_any():
                 if ex.first_byte_at is None:
@@ -239,24 +244,39 @@ async def relay_stream(
                 if scanner.tokens != before:
                     ex.output_tokens = scanner.tokens
                     on_progress(scanner.tokens)
-        except _UPSTREAM_FAILURES as e:
-            _take_counts(ex, scanner)
-            ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"upstream stream broke: {type(e).__name__}"
-            held = stripper.flush() if stripper is not None else b""
-            pad = b"\n\n" if held.strip() or scanner.partial else b""
-            if isinstance(e, TimeoutError):
-                cut = scanner.cut("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
-            elif isinstance(e, EventTooLarge):
-                cut = scanner.cut(str(e), "upstream_event_too_large")
-            else:
-                cut = scanner.cut("the upstream connection failed mid-stream", "upstream_stream_broken")
-            ending = None if cut is None else held + pad + cut
-        else:
+        except UPSTREAM_FAILURES as e:
+            if watchdog.pending_since is not None:
+                raise  # the client's write failed (aiohttp's ClientConnectionResetError), not the upstream
+            broke = e
+        if broke is None:
             ex.upstream_ended = True
             held = stripper.flush() if stripper is not None else b""
             # an unterminated last event is terminated, so the client's parser sees it
             pad = b"\n\n" if scanner.partial else b""
             scanner.end()
+        elif scanner.error is not None or scanner.complete(choices):
+            # the engine had ended its answer (its finish, or its own error) when the
+            # connection broke or went idle before its end: nothing was lost, so the
+            # stream is closed as if it had ended there. An unterminated event is what
+            # broke: held back, it is dropped; already relayed, it is terminated. The
+            # connection is closed, never reused; there is no generation left to abort.
+            ex.upstream_ended = True
+            upstream.close()
+            held = b""
+            pad = b"\n\n" if stripper is None and scanner.partial else b""
+        else:
+            _take_counts(ex, scanner)
+            ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"upstream stream broke: {type(broke).__name__}"
+            held = stripper.flush() if stripper is not None else b""
+            pad = b"\n\n" if held.strip() or scanner.partial else b""
+            if isinstance(broke, TimeoutError):
+                cut = scanner.cut("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")
+            elif isinstance(broke, EventTooLarge):
+                cut = scanner.cut(str(broke), "upstream_event_too_large")
+            else:
+                cut = scanner.cut("the upstream connection failed mid-stream", "upstream_stream_broken")
+            ending = None if cut is None else held + pad + cut
+        if ex.upstream_ended:
             _take_counts(ex, scanner)
             ending = held + pad
             if scanner.error is not None:
@@ -264,6 +284,8 @@ async def relay_stream(
                 ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
             elif scanner.complete(choices):
                 ex.outcome = OUTCOME_OK
+                if broke is not None:
+                    ex.detail = f"the upstream broke after the stream finished: {type(broke).__name__}"
                 ending += scanner.closing()
             else:
                 ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, scanner.unfinished()

@@ -298,21 +298,26 @@ class OpaqueStream:
     :class:`SSEScanner`, for :func:`proxy.relay.relay_stream`.
     """
 
-    __slots__ = ()
+    __slots__ = ("_ended",)
     tokens = 0
     prompt_tokens: int | None = None
     error: dict | None = None
     partial = False
 
+    def __init__(self) -> None:
+        self._ended = False
+
     def feed(self, chunk: bytes) -> None:
         """Nothing to scan."""
 
     def end(self) -> None:
-        """Nothing pending."""
+        """The stream ended cleanly."""
+        self._ended = True
 
     def complete(self, choices: int = 1) -> bool:
-        """A stream that ended cleanly is finished."""
-        return True
+        """A stream that ended cleanly is finished; a broken one never is (the proxy
+        cannot see its format's end)."""
+        return self._ended
 
     def closing(self) -> bytes:
         """Nothing is added."""

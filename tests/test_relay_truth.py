@@ -99,6 +99,14 @@ def assembling(up, tmp_path_factory):
     assert stop_proxy(p.proc) == 0
 
 
+@pytest.fixture(scope="module")
+def impatient(up, tmp_path_factory):
+    """Short upstream timeouts: no headers within 1 s is a 504, 1.5 s of silence idle."""
+    p = _start(up, tmp_path_factory.mktemp("imp"), {"first_byte_timeout_s": 1.0, "idle_timeout_s": 1.5})
+    yield p
+    assert stop_proxy(p.proc) == 0
+
+
 @pytest.fixture
 def model(request) -> str:
     """A model name of this test's own: the scripted upstream routes by it."""
@@ -422,6 +430,71 @@ async def test_in_band_client_errors_never_eject_an_engine(tmp_path, model):
             assert "ejected" in [engines[n]["state"] for n in ("a", "b")]
         finally:
             assert stop_proxy(p.proc) == 0
+
+
+FINISHED = events(chat_chunk("a"), chat_chunk(None, "stop"))
+USAGE_FRAGMENT = b'data: {"id":"c","choices":[],"usage":{"prompt_to'  # an event cut short
+
+
+@pytest.mark.parametrize(
+    "parts, client_gets",
+    [
+        ([FINISHED], FINISHED + DONE),  # finish, then the connection closes mid-body
+        ([FINISHED, DONE], FINISHED + DONE),  # its own [DONE], then the break: nothing added
+        ([FINISHED + USAGE_FRAGMENT], FINISHED + DONE),  # the broken event was held back (usage is stripped): dropped
+    ],
+)
+async def test_a_stream_that_finished_then_broke_is_closed_normally(proxy, up, model, parts, client_gets):
+    """Every choice had its finish_reason when the connection broke before the end of
+    the body (aiohttp: "Response payload is not completed"): nothing was lost, so the
+    stream ends as a finished one (``[DONE]`` where it had none) and counts ``ok``."""
+    up.on(model, stream(parts, end=False))
+    before = await scrape(proxy.url)
+    rid = f"fin-broke-{len(parts)}-{len(parts[0])}"
+    status, _, raw = await call(proxy.url, chat(model, stream=True), headers={"X-Request-Id": rid})
+    assert (status, raw) == (200, client_gets)
+    after = await scrape(proxy.url)
+    for outcome, delta in (("ok", 1), ("upstream_error", 0)):
+        key = dict(group="bronze", outcome=outcome)
+        assert metric(after, "llm_qos_requests_total", **key) - metric(before, "llm_qos_requests_total", **key) == delta
+    line = await access_line(proxy, rid)
+    assert (line["outcome"], line["output_tokens"]) == ("ok", 2) and "broke after the stream finished" in line["detail"]
+
+
+async def test_a_stream_that_finished_then_went_idle_is_closed_normally(impatient, up, model):
+    """The engine sent its finish and then nothing, never closing: after
+    ``idle_timeout_s`` the stream is closed as finished, not cut."""
+    up.on(model, stream([FINISHED, 5.0]))
+    status, _, raw = await call(impatient.url, chat(model, stream=True), headers={"X-Request-Id": "fin-idle-1"})
+    assert (status, raw) == (200, FINISHED + DONE)
+    assert (await access_line(impatient, "fin-idle-1"))["outcome"] == "ok"
+
+
+async def test_a_responses_stream_that_completed_then_broke_gets_nothing_added(proxy, up, model):
+    sent = events(
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi","sequence_number":1}\n\n',
+        b'event: response.completed\ndata: {"type":"response.completed","response":{"status":"completed","usage":{"input_tokens":3,"output_tokens":1}},"sequence_number":2}\n\n',
+    )
+    up.on(model, stream([sent], end=False))
+    body = {"model": model, "input": "hi", "stream": True}
+    status, _, raw = await call(proxy.url, body, path="/v1/responses", headers={"X-Request-Id": "resp-fin-broke"})
+    assert (status, raw) == (200, sent)  # no [DONE], no error event
+    assert (await access_line(proxy, "resp-fin-broke"))["outcome"] == "ok"
+
+
+async def test_assembled_answer_of_a_stream_that_finished_then_broke_is_a_200(assembling, up, model):
+    up.on(model, stream([chat_chunk("whole "), chat_chunk("answer"), chat_chunk(None, "stop") + USAGE_FRAGMENT], end=False))
+    status, _, raw = await call(assembling.url, chat(model), headers={"X-Request-Id": "asm-fin-broke"})
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("whole answer", "stop")
+    assert (await access_line(assembling, "asm-fin-broke"))["outcome"] == "ok"
+
+
+async def test_assembled_answer_of_a_stream_that_broke_before_its_finish_is_still_a_502(assembling, up, model):
+    up.on(model, stream([chat_chunk("half")], end=False))
+    status, _, raw = await call(assembling.url, chat(model))
+    assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_error"
 
 
 # ------------------------------------------------------------------ stream_options
