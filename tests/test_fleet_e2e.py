@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import yaml
 
 from engine_server import cpu_model
 from proxy.cli import default_config_path
-from tests.proc_util import die_with_parent
+from tests.proc_util import die_with_parent, free_port
 from tests.test_cli import ENV, REPO_ROOT
 
 pytestmark = pytest.mark.engine
@@ -39,29 +38,20 @@ READY_DEADLINE_S = 360.0  # both engines (the first may prepare the model), then
 STOP_DEADLINE_S = 60.0  # up: the proxy drains (nothing in flight here), then both engines stop
 
 
-def _quiet_ports(n: int) -> int:
-    """A port P with P .. P + n - 1 all free on 127.0.0.1, below the kernel's ephemeral
-    range: a port from that range (``free_port``) may be taken, between the check and the
-    bind, as the source port of any connection another test on the machine opens, and an
-    engine whose port is taken crash-loops until ``up`` gives up."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        p = rng.randrange(10000, max(10001, low - n))
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", p + i))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 both free on 127.0.0.1 (``--engine-port P`` for two
+    engines). P + 1 is drawn by :func:`free_port`, below the kernel's ephemeral range, so P
+    is below it too: an engine whose port an outgoing connection takes as its source port
+    crash-loops until ``up`` gives up."""
+    for _ in range(100):
+        p = free_port() - 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
         return p
-    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+    raise RuntimeError("no two consecutive free ports")
 
 
 def _children() -> dict[int, list[int]]:
@@ -130,8 +120,7 @@ def test_up_with_two_cpu_engines_serves_the_sdk_from_both_and_stops_them_all(tmp
     cfg["admin"] = {"api_key": ADMIN_KEY}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    engine_port = _quiet_ports(3)  # the engines on P and P + 1 (--engine-port P), the proxy on P + 2
-    port = engine_port + 2
+    engine_port, port = _free_port_pair(), free_port()
     engine_urls = {f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{engine_port + 1}"}
     base = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "up.log"
