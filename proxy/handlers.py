@@ -232,6 +232,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
             return error_response(502, "the upstream failed while sending its answer", code="upstream_error")
     except (asyncio.CancelledError, ConnectionResetError):
+        # the client's side only: every upstream read above turns its failures (aiohttp's
+        # ClientConnectionResetError is a ConnectionResetError too) into an answer first
         ex.outcome, ex.detail = m.OUTCOME_CLIENT_GONE, "client disconnected"
         raise
     finally:
@@ -307,7 +309,9 @@ async def _open(
     once more without them (``proxy.upstream_body``).
 
     Raises:
-        UpstreamError: as :meth:`proxy.upstream.Upstream.open`.
+        UpstreamError: as :meth:`proxy.upstream.Upstream.open`; and 502
+            ``upstream_error`` when the upstream fails while sending the rejection's body
+            (a reset, a short body, ``idle_timeout_s`` of silence).
     """
     up = engine.client
     upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id)
@@ -315,6 +319,11 @@ async def _open(
         return upstream, plan
     try:
         body = await upstream.read()  # a refusal, before any generation; kept for relaying
+    except (aiohttp.ClientError, TimeoutError) as e:
+        # the upstream's failure (ClientPayloadError, aiohttp's ClientConnectionResetError,
+        # an idle timeout), never the client's: a JSON 502, not aiohttp's text/plain 500
+        upstream.close()
+        raise UpstreamError(502, "upstream_error", f"the upstream failed while sending its answer: {type(e).__name__}", aborted=True) from None
     except BaseException:
         upstream.close()
         raise

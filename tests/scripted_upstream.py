@@ -15,6 +15,7 @@ import gzip
 import json
 import socket
 import socketserver
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -182,6 +183,20 @@ def stream(parts: list[bytes | float], headers: list[tuple[str, str]] | None = N
                 sock.sendall(chunk(p))
         if end:
             sock.sendall(LAST_CHUNK)
+        return False
+
+    return script
+
+
+def reset_after(data: bytes, pause: float = 0.0) -> Script:
+    """Answer ``data``, wait ``pause`` seconds, then reset the connection (an RST, not a
+    FIN: ``SO_LINGER`` 0), as a crashed engine's kernel does."""
+
+    def script(sock: socket.socket, seen: Seen) -> bool:
+        sock.sendall(data)
+        if pause:
+            time.sleep(pause)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         return False
 
     return script

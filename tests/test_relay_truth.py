@@ -38,6 +38,7 @@ from tests.scripted_upstream import (
     hang,
     head,
     reply,
+    reset_after,
     response,
     stream,
 )
@@ -569,6 +570,37 @@ async def test_an_engine_that_rejects_stream_options_still_serves_valid_requests
     assert "rejected stream_options" in p.proc.log_path.read_text()
 
 
+REJECTION_HEAD = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        reset_after(REJECTION_HEAD + b'{"error":{"message":"stream_o'),  # reset mid-body
+        reply(REJECTION_HEAD + b'{"error":{"message":"stream_o'),  # closed short of its Content-Length
+        stream([b'{"error":{"message":"stream_o', 5.0], headers=JSON, status=400),  # silent past idle_timeout_s
+    ],
+    ids=["reset", "short", "idle"],
+)
+async def test_a_rejection_body_that_breaks_is_a_json_502(impatient, up, model, script):
+    """The engine refuses the request (400, which may name the proxy's own
+    stream_options) and breaks while sending that refusal's body: the client gets a JSON
+    502 ``upstream_error``, never aiohttp's text/plain 500, and the access log says the
+    upstream failed, not that the client left."""
+    up.on(model, script)
+    before = await scrape(impatient.url)
+    rid = "reject-broke-" + model.split("[")[-1].rstrip("]")
+    status, headers, raw = await call(impatient.url, chat(model, stream=True), headers={"X-Request-Id": rid})
+    assert status == 502 and headers["Content-Type"].startswith("application/json"), raw
+    assert json.loads(raw)["error"]["code"] == "upstream_error"
+    assert len(up.seen_for(model)) == 1  # not sent again
+    line = await access_line(impatient, rid)
+    assert (line["status"], line["outcome"]) == (502, "upstream_error")
+    after = await scrape(impatient.url)
+    key = dict(reason="upstream_error")
+    assert metric(after, "llm_qos_upstream_aborts_total", **key) - metric(before, "llm_qos_upstream_aborts_total", **key) == 1
+
+
 # ------------------------------------------------------------------- query strings
 
 
@@ -645,6 +677,23 @@ async def test_a_client_that_leaves_before_the_first_byte_counts_as_an_abort(pro
     assert model in up.closed  # the proxy closed the upstream connection: the engine aborts
     after = await scrape(proxy.url)
     key = dict(reason="client_disconnected")
+    assert metric(after, "llm_qos_upstream_aborts_total", **key) - metric(before, "llm_qos_upstream_aborts_total", **key) == 1
+
+
+async def test_no_headers_within_first_byte_timeout_is_a_504_and_an_abort(impatient, up, model):
+    """``first_byte_timeout_s`` passed without the upstream's headers: the client gets a
+    504, the proxy closes the upstream connection (the engine aborts), and
+    ``llm_qos_upstream_aborts_total`` counts it."""
+    up.on(model, hang(30))
+    before = await scrape(impatient.url)
+    status, _, raw = await call(impatient.url, chat(model, stream=True))
+    assert status == 504 and json.loads(raw)["error"]["code"] == "upstream_timeout"
+    deadline = time.monotonic() + 10
+    while model not in up.closed and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert model in up.closed
+    after = await scrape(impatient.url)
+    key = dict(reason="upstream_error")
     assert metric(after, "llm_qos_upstream_aborts_total", **key) - metric(before, "llm_qos_upstream_aborts_total", **key) == 1
 
 
