@@ -1,7 +1,7 @@
 """Fuzz the running proxy process over its published OpenAPI document.
 
 10 000 generated requests in all (valid, malformed, wrong types, huge numbers, invalid
-UTF-8, random bytes) against every route of ``/openapi.json``: the proxy's own code never
+UTF-8, random bytes) against every route of ``/openapi.json`` (in front of ``bench.scripted_engine``, which serves them all): the proxy's own code never
 answers 5xx and the process never falls over.
 """
 
@@ -31,7 +31,7 @@ EXAMPLES = 2500  # per test; four tests -> 10 000 cases
 def proxy_port(tmp_path_factory):
     up_port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    up = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", "--port", str(up_port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    up = subprocess.Popen([sys.executable, "-m", "bench.scripted_engine", "--port", str(up_port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     assert "ready" in up.stdout.readline()
     cfg = base_config(f"http://127.0.0.1:{up_port}", max_inflight=8, queue_timeout_s=5)
     for g in cfg["groups"]:
