@@ -213,7 +213,6 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
         headers.popall(h, None)
     if scanner.error is not None:
         note_engine_error(ex, scanner.error)
-        ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
         ex.output_tokens = scanner.tokens
         resp = engine_error_response(scanner.error)
     elif not scanner.complete(choices):

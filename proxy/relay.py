@@ -36,6 +36,7 @@ Response headers are the upstream's, filtered by :mod:`proxy.relay_headers`.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -97,12 +98,30 @@ class Exchange:
     engine_error_status: int | None = None
 
 
-def note_engine_error(ex: Exchange, err: dict) -> None:
+def note_engine_error(ex: Exchange, err: dict, what: str = "in-band error") -> None:
     """Record that the engine itself reported ``err`` (``proxy.sse.error_of``): the
-    outcome is ``upstream_error``; its health hears an answer (see :class:`Exchange`)."""
+    outcome is ``upstream_error``; its health hears an answer (see :class:`Exchange`);
+    the access log's detail is ``what`` and :func:`error_detail`."""
     ex.outcome = OUTCOME_UPSTREAM_ERROR
     ex.engine_error = True
     ex.engine_error_status = error_status(err)
+    ex.detail = what + error_detail(err)
+
+
+_LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def error_detail(err: dict) -> str:
+    """An engine's error for the access log: its ``code``, ``type`` and ``status`` when
+    they are numbers or short labels (``": code=400 type=BadRequestError"``), never its
+    ``message``: engines echo the request in messages (pydantic's ``input``, "the prompt
+    ... is too long"), and the access log never carries a prompt."""
+    parts = []
+    for key in ("code", "type", "status"):
+        v = err.get(key)
+        if (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and _LABEL.fullmatch(v)):
+            parts.append(f"{key}={v}")
+    return ": " + " ".join(parts) if parts else ""
 
 
 def _is_count(v: object) -> bool:
@@ -281,7 +300,6 @@ async def relay_stream(
             ending = held + pad
             if scanner.error is not None:
                 note_engine_error(ex, scanner.error)
-                ex.detail = "in-band error: " + str(scanner.error.get("message", ""))[:200]
             elif scanner.complete(choices):
                 ex.outcome = OUTCOME_OK
                 if broke is not None:
@@ -373,8 +391,8 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
         except orjson.JSONDecodeError:
             obj = None
         if (err := error_of(obj)) is not None:
-            note_engine_error(ex, err)
-            failed, ex.detail = True, "error body with status %d" % upstream.status
+            note_engine_error(ex, err, "error body with status %d" % upstream.status)
+            failed = True
         else:
             ex.prompt_tokens, out = _usage(obj, native)
             if out is not None:

@@ -720,6 +720,42 @@ async def test_access_log_is_pure_json_without_keys_or_prompts(proxy, up, model)
     assert diagnostic and all(not d.startswith("{") for d in diagnostic)  # readable text
 
 
+ECHO = "ECHOED-PROMPT-0xC0FFEE my card is 4111"  # what a user typed, as the engine echoes it
+
+
+@pytest.mark.parametrize("where", ["stream", "assembled", "json200", "responses"])
+async def test_an_engines_error_message_never_reaches_the_access_log(proxy, assembling, up, model, where):
+    """Engines echo the request in their error messages (pydantic's ``input``, "the
+    prompt ... is too long"). The access log's detail names the engine's error code and
+    type only; the message, and so the prompt, is never written. The client still gets
+    the engine's error as it sent it."""
+    msg = f"1 validation error: messages.0.content: input too long {ECHO!r}"
+    err = {"error": {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}}
+    event = b"data: " + json.dumps(err).encode() + b"\n\n"
+    body, path, px = chat(model, stream=where != "assembled", messages=[{"role": "user", "content": ECHO}]), CHAT, proxy
+    if where == "stream":
+        up.on(model, stream([event]))
+    elif where == "assembled":
+        up.on(model, stream([chat_chunk("x"), event]))
+        px = assembling
+    elif where == "json200":
+        up.on(model, reply(response(200, JSON, json.dumps(err).encode())))
+    else:
+        ev = {"type": "error", "code": "invalid_prompt", "message": msg, "param": None, "sequence_number": 0}
+        up.on(model, stream([b"event: error\ndata: " + json.dumps(ev).encode() + b"\n\n"]))
+        body, path = {"model": model, "input": ECHO, "stream": True}, "/v1/responses"
+    rid = "echo-" + where
+    status, _, raw = await call(px.url, body, path=path, headers={"X-Request-Id": rid})
+    assert ECHO.encode() in raw  # the client sees the engine's message
+    line = await access_line(px, rid)
+    assert line["outcome"] == "upstream_error"
+    want = {"stream": "in-band error: code=400 type=BadRequestError", "assembled": "in-band error: code=400 type=BadRequestError",
+            "json200": "error body with status 200: code=400 type=BadRequestError", "responses": "in-band error: code=invalid_prompt"}
+    assert line["detail"] == want[where]
+    for text in (px.access_log.read_text(), px.proc.log_path.read_text()):
+        assert "C0FFEE" not in text and "4111" not in text
+
+
 async def test_json_diagnostic_log_with_the_flag(up, tmp_path):
     p = _start(up, tmp_path, extra_args=["--log-format", "json"])
     assert stop_proxy(p.proc) == 0
