@@ -498,6 +498,29 @@ async def test_assembled_answer_of_a_stream_that_broke_before_its_finish_is_stil
     assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_error"
 
 
+async def test_an_error_before_any_token_and_an_empty_stream_charge_nothing(proxy, up, model):
+    """Fair share is charged only for what was produced: an in-band error before any
+    token and a stream with no events leave the user's recent service at 0 (read from
+    ``/admin/status``); a served stream then charges it (the control)."""
+    dora = {"Authorization": "Bearer sk-dora-secret"}
+
+    async def service() -> float:
+        users = {u["user"]: u for u in (await admin_status(proxy))["users"]}
+        return users["dora"]["recent_service"] if "dora" in users else 0.0
+
+    up.on(model + "-error", stream([IN_BAND_400]))
+    up.on(model + "-empty", stream([]))
+    up.on(model + "-served", stream([chat_chunk("a"), chat_chunk("b"), chat_chunk(None, "stop"), DONE]))
+    for suffix, rid in (("-error", "charge-error"), ("-empty", "charge-empty")):
+        status, _, raw = await call(proxy.url, chat(model + suffix, stream=True), headers={**dora, "X-Request-Id": rid})
+        assert status == 200 and b"error" in raw
+        line = await access_line(proxy, rid)
+        assert (line["user"], line["outcome"], line["output_tokens"]) == ("dora", "upstream_error", 0)
+    assert await service() == 0
+    await call(proxy.url, chat(model + "-served", stream=True), headers=dora)
+    assert await service() > 0
+
+
 # ------------------------------------------------------------------ stream_options
 
 
@@ -599,6 +622,37 @@ async def test_a_rejection_body_that_breaks_is_a_json_502(impatient, up, model, 
     after = await scrape(impatient.url)
     key = dict(reason="upstream_error")
     assert metric(after, "llm_qos_upstream_aborts_total", **key) - metric(before, "llm_qos_upstream_aborts_total", **key) == 1
+
+
+async def test_a_fresh_proxys_first_plain_request_to_an_engine_rejecting_stream_options(up, model, tmp_path):
+    """The issue's own case: ``stream_non_streaming`` on, a fresh proxy, and its very
+    first request is a plain (non-streaming) one; the engine rejects the
+    ``stream_options`` the proxy added with a 400 naming it. The client gets the 200
+    answer (sent once more without them), and the proxy remembers: the next plain
+    request goes without them at once."""
+
+    def engine(sock, seen: Seen) -> bool:
+        if "stream_options" in seen.json:
+            err = b'{"object":"error","message":"[{\'type\': \'extra_forbidden\', \'loc\': (\'body\', \'stream_options\'), \'msg\': \'Extra inputs are not permitted\'}]","type":"BadRequestError","param":null,"code":400}'
+            sock.sendall(response(400, JSON, err))
+        else:
+            sock.sendall(head(200, SSE) + chunk(chat_chunk("fine", "stop")) + LAST_CHUNK)
+        return False
+
+    up.on(model, engine)
+    p = _start(up, tmp_path, {"stream_non_streaming": True})
+    try:
+        for _ in range(2):
+            status, headers, raw = await call(p.url, chat(model))
+            assert status == 200 and headers["Content-Type"].startswith("application/json"), raw
+            answer = json.loads(raw)
+            assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"] == "fine"
+        sent = up.seen_for(model)
+        assert ["stream_options" in s.json for s in sent] == [True, False, False]
+        assert all(s.json["stream"] is True for s in sent)  # still streamed upstream, assembled here
+    finally:
+        assert stop_proxy(p.proc) == 0
+    assert p.proc.log_path.read_text().count("rejected stream_options") == 1
 
 
 # ------------------------------------------------------------------- query strings
