@@ -158,7 +158,7 @@ def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
     return acc
 
 
-async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: bool, choices: int = 1) -> web.Response:
+async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: bool, choices: int = 1, base_url: str | None = None) -> web.Response:
     """Read the upstream's SSE answer to the end and answer with the assembled JSON.
 
     Args:
@@ -166,6 +166,7 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
         ex: the :class:`proxy.relay.Exchange`; status, token counts and outcome are set.
         chat: chat completions (True) or text completions (False).
         choices: how many choices the client asked for (``n``).
+        base_url: the engine's base URL (:func:`proxy.relay_headers.client_headers`).
 
     Returns:
         The assembled answer (200, with the upstream's end-to-end headers); or an error
@@ -208,8 +209,8 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, chat: 
         upstream.close()
     ex.first_byte_at = asyncio.get_running_loop().time()
     note_upstream_id(ex, upstream.headers)
-    headers = client_headers(upstream.headers, ex.request_id)
-    for h in ("Content-Type", "Cache-Control", "X-Accel-Buffering"):  # those of the stream
+    headers = client_headers(upstream.headers, ex.request_id, base_url, transformed=True)
+    for h in ("Content-Type", "Cache-Control", "X-Accel-Buffering", "ETag"):  # those of the stream
         headers.popall(h, None)
     if scanner.error is not None:
         note_engine_error(ex, scanner.error)

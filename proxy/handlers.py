@@ -43,7 +43,7 @@ from .engine_health import check_path_for
 from .errors import error_response
 from .model_routing import ModelTable, Route, model_error, parse_models_body
 from .relay import Exchange, relay_body, relay_stream
-from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of
+from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds
 from .admission import NoEngine
 from .request_body import BadRequest, ParsedRequest
@@ -173,12 +173,13 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     upstream = None
     aborted = False
     query = raw_query(request)
+    trace = trace_headers(request.headers)
     try:
         tried = []
         while True:
             plan = _engine_plan(parsed, engine, route, kind, admission.policy, ex.group)
             try:
-                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native)
+                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native, trace)
                 break
             except UpstreamError as e:
                 if e.unsent:  # it never reached the engine: another one may take it
@@ -218,6 +219,7 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                 write_timeout_s=active.config.limits.client_write_timeout_s,
                 choices=choices_of(parsed.fields),
                 strip_usage=plan.strip_usage,
+                base_url=engine.url,
             )
         try:
             if upstream.status == 417 and (native or engine.kind == "lightllm"):  # LightLLM's validation errors, any route
@@ -226,8 +228,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                 ex.outcome = m.OUTCOME_BAD_REQUEST
                 return error_response(400, _message_of(body), code="invalid_request")
             if plan.assemble and upstream.status == 200 and not is_json:
-                return await relay_assembled(upstream, ex, chat=path == "/v1/chat/completions", choices=choices_of(parsed.fields))
-            return await relay_body(upstream, ex, native=native)
+                return await relay_assembled(upstream, ex, chat=path == "/v1/chat/completions", choices=choices_of(parsed.fields), base_url=engine.url)
+            return await relay_body(upstream, ex, native=native, base_url=engine.url)
         except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
             return error_response(502, "the upstream failed while sending its answer", code="upstream_error")
@@ -302,7 +304,7 @@ def _no_progress(tokens: int) -> None:
 
 
 async def _open(
-    engine: EngineState, method: str, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool
+    engine: EngineState, method: str, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool, trace: dict[str, str]
 ) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
     """Open the upstream request for ``plan`` on ``engine``. An engine that rejects the
     proxy's own ``stream_options`` (a 400/417/422 whose body names it) gets the request
@@ -314,7 +316,7 @@ async def _open(
             (a reset, a short body, ``idle_timeout_s`` of silence).
     """
     up = engine.client
-    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id)
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace)
     if plan.fallback is None or native or upstream.status not in REJECTED:
         return upstream, plan
     try:
@@ -332,7 +334,7 @@ async def _open(
     upstream.release()
     first = upstream.status
     plan = plan.without_stream_options()
-    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id)
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace)
     if upstream.status not in REJECTED:
         up.reject_stream_options(first)
     return upstream, plan
@@ -511,7 +513,7 @@ async def _engine_models(request: web.Request, engine: EngineState, rid: str) ->
     """``GET /v1/models`` of one engine: ``(response, body, None)``, or ``(None, b"",
     error answer)``."""
     try:
-        upstream = await engine.client.open("GET", "/v1/models", query=raw_query(request), request_id=rid)
+        upstream = await engine.client.open("GET", "/v1/models", query=raw_query(request), request_id=rid, trace=trace_headers(request.headers))
     except UpstreamError as e:
         return None, b"", error_response(e.status, e.message, code=e.code)
     coding = content_coding(upstream.headers)
@@ -551,10 +553,11 @@ async def _models(request: web.Request, rid: str) -> web.Response:
     table = state.active.models
     if not table.single_upstream:
         return web.json_response(table.models_list(await _catch_all_models(request, rid)))
-    upstream, body, err = await _engine_models(request, next(iter(state.admission.default.router.engines.values())), rid)
+    engine = next(iter(state.admission.default.router.engines.values()))
+    upstream, body, err = await _engine_models(request, engine, rid)
     if err is not None:
         return err
-    headers = client_headers(upstream.headers, rid)
+    headers = client_headers(upstream.headers, rid, engine.url)
     if "Content-Type" not in headers:
         headers["Content-Type"] = "application/json"
     return web.Response(status=upstream.status, body=body, headers=headers)

@@ -47,7 +47,7 @@ from aiohttp import web
 from .errors import error_status
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay_headers import REQUEST_ID, client_headers
-from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
+from .sse import DONE_EVENT, EventTooLarge, OpaqueStream, SSEScanner, UsageStripper, error_of
 
 __all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "StreamScanner", "relay_body", "relay_stream", "usage_of"]
 
@@ -206,6 +206,7 @@ async def relay_stream(
     write_timeout_s: float = 60.0,
     choices: int = 1,
     strip_usage: bool = False,
+    base_url: str | None = None,
 ) -> web.StreamResponse:
     """Relay an SSE answer chunk by chunk, with the upstream's status and headers.
 
@@ -223,6 +224,7 @@ async def relay_stream(
         choices: how many choices the client asked for (``n``): each must get its
             ``finish_reason`` for a stream without ``[DONE]`` to count as finished.
         strip_usage: remove the usage the proxy asked for and the client did not.
+        base_url: the engine's base URL (:func:`proxy.relay_headers.client_headers`).
 
     Returns:
         The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (an in-band
@@ -235,7 +237,8 @@ async def relay_stream(
         asyncio.CancelledError: the client disconnected (aiohttp cancelled the handler).
     """
     loop = asyncio.get_running_loop()
-    headers = client_headers(upstream.headers, ex.request_id)
+    # a stream the proxy reads may get [DONE] added or usage removed: not the same bytes
+    headers = client_headers(upstream.headers, ex.request_id, base_url, transformed=not isinstance(scanner, OpaqueStream))
     note_upstream_id(ex, upstream.headers)
     if "Content-Type" not in headers:
         headers["Content-Type"] = "text/event-stream"
@@ -367,11 +370,13 @@ def _take_counts(ex: Exchange, scanner: StreamScanner) -> None:
         ex.prompt_tokens = scanner.prompt_tokens
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: bool = False) -> web.Response:
+async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: bool = False, base_url: str | None = None) -> web.Response:
     """Relay a whole (non-SSE) answer: the upstream's status, body bytes and headers.
 
     A 2xx answer whose JSON body reports an error (``{"error": ...}``) is relayed as is
-    and counted ``upstream_error``, like every 4xx/5xx.
+    and counted ``upstream_error``, like every 4xx/5xx. A 3xx is relayed as is (the
+    proxy follows no redirect), its ``Location`` made relative to the proxy when it
+    points under ``base_url``, the engine's (:func:`proxy.relay_headers.client_headers`).
 
     Raises:
         asyncio.CancelledError: the client went away (the caller aborts the upstream).
@@ -380,7 +385,7 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
     body = await upstream.read()
     ex.upstream_ended = True
     ex.first_byte_at = asyncio.get_running_loop().time()
-    headers = client_headers(upstream.headers, ex.request_id)
+    headers = client_headers(upstream.headers, ex.request_id, base_url)
     note_upstream_id(ex, upstream.headers)
     if "Content-Type" not in headers:
         headers["Content-Type"] = "application/json"  # LightLLM /generate sends none

@@ -20,9 +20,30 @@ vendor headers), except:
   forwarded), which a client cannot answer;
 * ``Access-Control-*``: cross-origin policy is the proxy's decision, not the engine's.
 
-Client request → upstream: only ``X-Request-Id`` (below). The proxy sends its own
-``Authorization``, ``Content-Type``, ``Accept`` and ``Accept-Encoding: identity``;
-clients' keys, cookies and other headers never reach the engine.
+Two are rewritten, because they describe something the proxy changed:
+
+* ``Location`` / ``Content-Location`` (a redirect, a created resource): a URL under the
+  engine's base URL names the engine's internal host; it becomes the same path relative
+  to the proxy (``http://engine:8000/v1/x`` behind base ``http://engine:8000`` becomes
+  ``/v1/x``, which the client resolves against the proxy's URL, through any load
+  balancer in front), as nginx's ``proxy_redirect default`` does. One on the engine's
+  host but outside its base URL (another path, port or scheme) has no proxy URL and is
+  dropped; one on another host
+  (a hosted API's CDN) passes unchanged. 3xx answers pass as they are otherwise (the
+  proxy follows no redirect: the client decides, as it would talking to the engine);
+* validators of the body bytes, when the proxy changed those bytes (decoded a
+  ``Content-Encoding``, or relays a stream to which it may add ``[DONE]`` or from which
+  it removes the usage it asked for): a strong ``ETag`` is weakened (``W/"..."``: the
+  content is equivalent, not byte-identical; nginx's gzip weakens them too), and
+  ``Content-MD5``, ``Content-Digest``, ``Repr-Digest`` and ``Digest``, which are digests
+  of the encoded bytes (RFC 9530), are dropped. An assembled answer
+  (:mod:`proxy.assemble`) drops ``ETag`` too: it is another representation.
+
+Client request → upstream: only ``X-Request-Id`` (below) and the W3C trace context,
+``traceparent``, ``tracestate`` and ``baggage``, as the client sent them, so an engine
+that traces (vLLM ``--otlp-traces-endpoint``) joins the client's trace. The proxy sends
+its own ``Authorization``, ``Content-Type``, ``Accept`` and ``Accept-Encoding:
+identity``; clients' keys, cookies and other headers never reach the engine.
 
 Request id: a client's ``X-Request-Id`` of 1-128 characters from ``[A-Za-z0-9._:+/=@-]``
 is kept, any other value is replaced by a fresh one (32 hex digits). It is sent upstream
@@ -39,8 +60,16 @@ import re
 from typing import Mapping
 
 from multidict import CIMultiDict
+from yarl import URL
 
 REQUEST_ID = "X-Request-Id"
+#: W3C Trace Context (``traceparent``, ``tracestate``) and W3C Baggage: passed upstream.
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+_LOCATIONS = frozenset({"location", "content-location"})
+# digests of the content bytes as the upstream sent them (RFC 9530; Content-MD5, RFC 1864;
+# Digest, RFC 3230): wrong once the proxy has decoded or changed those bytes
+_DIGESTS = frozenset({"content-md5", "content-digest", "repr-digest", "digest"})
+_IDENTITY = frozenset({"", "identity"})
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
 
 _DROPPED = frozenset(
@@ -78,24 +107,85 @@ def request_id_of(headers: Mapping[str, str]) -> str:
     return os.urandom(16).hex()
 
 
-def client_headers(upstream: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+def client_headers(upstream: Mapping[str, str], request_id: str, base_url: str | None = None, transformed: bool = False) -> CIMultiDict[str]:
     """The upstream response's headers to send to the client (see the module docstring),
     with ``X-Request-Id`` set to ``request_id`` unless the engine sent its own.
 
     Args:
         upstream: the upstream response's headers (a case-insensitive multidict).
         request_id: the request's id.
+        base_url: the engine's base URL: a ``Location`` under it is made relative to the
+            proxy (``None``: passed as is).
+        transformed: the proxy may change the body's bytes (a stream it adds to or strips):
+            validators of those bytes go, as when it decoded a ``Content-Encoding``.
     """
     named = upstream.get("Connection")
     extra = {t.strip().lower() for t in named.split(",")} if named else ()
+    changed = transformed or content_coding(upstream) not in _IDENTITY
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in upstream.items():
         lk = k.lower()
         if lk in _DROPPED or lk.startswith(_DROPPED_PREFIXES) or lk in extra:
             continue
+        if lk in _LOCATIONS and base_url is not None:
+            v = proxied_location(v, base_url)
+            if v is None:
+                continue
+        elif changed:
+            if lk in _DIGESTS:
+                continue
+            if lk == "etag":
+                v = weak_etag(v)
         out.add(k, v)
     if REQUEST_ID not in out:
         out[REQUEST_ID] = request_id
+    return out
+
+
+def weak_etag(value: str) -> str:
+    """``value`` as a weak entity tag (RFC 9110 §8.8.3): ``"x"`` becomes ``W/"x"``."""
+    v = value.strip()
+    return v if v.startswith("W/") or not v else "W/" + v
+
+
+def proxied_location(value: str, base_url: str) -> str | None:
+    """A ``Location`` the engine sent, as the client must get it (see the module
+    docstring): under ``base_url``, the rest as a path relative to the proxy; on the
+    engine's host but outside ``base_url`` (another path, port or scheme), ``None``
+    (dropped); else unchanged (a relative reference already resolves against the proxy;
+    another host is not the engine's)."""
+    try:
+        loc = URL(value.strip(), encoded=True)
+        base = URL(base_url, encoded=True)
+    except ValueError:
+        return value
+    if not loc.is_absolute() or loc.scheme.lower() not in ("http", "https"):
+        return value
+    if (loc.host or "").lower() != (base.host or "").lower():
+        return value
+    if (loc.scheme.lower(), loc.port) != (base.scheme.lower(), base.port):
+        return None  # the engine's host, another service on it: no proxy URL for it
+    prefix = base.raw_path.rstrip("/")
+    path = loc.raw_path
+    if prefix and path != prefix and not path.startswith(prefix + "/"):
+        return None
+    rest = path[len(prefix) :] or "/"
+    if loc.raw_query_string:
+        rest += "?" + loc.raw_query_string
+    if loc.raw_fragment:
+        rest += "#" + loc.raw_fragment
+    return rest
+
+
+def trace_headers(client: Mapping[str, str]) -> dict[str, str]:
+    """The client's W3C trace context and baggage (:data:`TRACE_HEADERS`), to send
+    upstream as they came (a header sent several times joined with ``,``, as both
+    specifications allow)."""
+    out = {}
+    for name in TRACE_HEADERS:
+        values = client.getall(name, ()) if hasattr(client, "getall") else ([client[name]] if name in client else [])
+        if values:
+            out[name] = ",".join(values)
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import aiohttp
 from multidict import CIMultiDict
@@ -36,6 +37,13 @@ from .relay_headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
 _URL_CACHE = 64  # upstream URLs kept built, per upstream (bounded: pass-through paths come from clients)
+
+
+def ends_in_api_version(url: str) -> bool:
+    """Whether a base URL's path ends in ``/v1`` (the OpenAI SDK's ``base_url`` form):
+    the proxy then sends ``/v1/v1/...``. Not refused: an engine mounted under a ``/v1``
+    prefix is possible, only unlikely; :class:`Upstream` warns once per URL."""
+    return URL(url).path.rstrip("/").lower().endswith("/v1")
 
 
 class UpstreamError(Exception):
@@ -79,6 +87,7 @@ class Upstream:
     def __init__(self, config: UpstreamConfig) -> None:
         self.accepts_stream_options = True
         self.config = config
+        self._warned_url: str | None = None
         self.reconfigure(config)
         connector = aiohttp.TCPConnector(
             limit=config.max_connections,
@@ -111,6 +120,15 @@ class Upstream:
         if config.url != self.config.url:
             self.accepts_stream_options = True
         self.config = config
+        if config.url != self._warned_url and ends_in_api_version(config.url):
+            self._warned_url = config.url
+            log.warning(
+                "the upstream URL %s ends in /v1: the proxy appends the whole API path itself, so a chat request goes to "
+                "%s/v1/chat/completions; give the engine's base URL without /v1 (the OpenAI SDK's base_url has it, the "
+                "proxy's upstream URL does not), unless the engine really serves under that prefix",
+                config.url,
+                config.url,
+            )
 
     def _url(self, path: str, query: str) -> URL:
         if query:
@@ -135,7 +153,14 @@ class Upstream:
             )
 
     async def open(
-        self, method: str, path: str, body: bytes | None = None, *, query: str = "", request_id: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        query: str = "",
+        request_id: str | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """Send one request, once, and wait for the upstream's status line and headers.
 
@@ -145,6 +170,8 @@ class Upstream:
             body: bytes to send.
             query: the client's raw (still percent-encoded) query string, passed on.
             request_id: sent as ``X-Request-Id``.
+            trace: the client's trace context headers, sent as they are
+                (:func:`proxy.relay_headers.trace_headers`).
 
         Returns:
             The response with its body unread; the caller must ``close()`` (abort) or
@@ -158,9 +185,12 @@ class Upstream:
                 within ``first_byte_timeout_s`` (``upstream_timeout``).
         """
         config, url, headers = self.config, self._url(path, query), self._headers
-        if request_id is not None:
+        if request_id is not None or trace:
             headers = headers.copy()
-            headers[REQUEST_ID] = request_id
+            if request_id is not None:
+                headers[REQUEST_ID] = request_id
+            if trace:
+                headers.update(trace)
         try:
             if config.first_byte_timeout_s >= config.idle_timeout_s:
                 # aiohttp's sock_read (idle_timeout_s) also bounds the wait for headers

@@ -24,6 +24,7 @@ from yarl import URL
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import ConfigError, parse_config
+from proxy.relay_headers import proxied_location
 from tests.proxy_process import REPO_ROOT, start_proxy, stop_proxy
 from tests.proc_util import free_port
 from tests.scripted_upstream import (
@@ -123,7 +124,8 @@ async def call(url: str, body: dict | bytes | None = None, headers: dict | None 
     data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
     hdrs = {"Authorization": "Bearer sk-carl-secret", **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
     async with aiohttp.ClientSession(auto_decompress=False) as s:
-        async with s.request(method, URL(url + path, encoded=True), data=data, headers=hdrs, timeout=aiohttp.ClientTimeout(total=30)) as r:
+        req = s.request(method, URL(url + path, encoded=True), data=data, headers=hdrs, timeout=aiohttp.ClientTimeout(total=30), allow_redirects=False)
+        async with req as r:
             return r.status, r.headers, await r.read()
 
 
@@ -958,3 +960,103 @@ async def test_curl_expect_100_continue_with_a_large_prompt(proxy, up, model):
     finally:
         writer.close()
     assert "expect" not in up.seen_for(model)[0].headers
+
+
+async def test_a_redirect_never_shows_the_engines_internal_url(proxy, up, model):
+    """A 3xx is passed on (the proxy follows no redirect), its ``Location`` made
+    relative to the proxy when it points under the engine's base URL (nginx's
+    ``proxy_redirect default``), dropped when it names the engine's host otherwise, and
+    unchanged when it names another host."""
+    engine_port = int(up.url.rsplit(":", 1)[1])
+    cases = [
+        (307, f"{up.url}/v1/chat/completions?api-version=2", "/v1/chat/completions?api-version=2"),
+        (301, f"http://127.0.0.1:{engine_port + 1}/internal", None),  # the engine's host, another port
+        (302, "https://files.example.com/out.jsonl", "https://files.example.com/out.jsonl"),
+        (303, "/v1/files/abc", "/v1/files/abc"),  # relative already
+    ]
+    for i, (code, location, want) in enumerate(cases):
+        m = f"{model}-{i}"
+        body = b'{"error":{"message":"moved"}}'
+        up.on(m, reply(response(code, [*JSON, ("Location", location), ("Content-Location", location)], body)))
+        status, headers, raw = await call(proxy.url, chat(m))
+        assert (status, raw) == (code, body)
+        assert headers.get("Location") == want and headers.get("Content-Location") == want, (code, location)
+        assert str(engine_port) not in headers.get("Location", "")
+
+
+def test_proxied_location_keeps_what_follows_the_base_url():
+    base = "http://engine:8000/openai"
+    assert proxied_location("http://engine:8000/openai/v1/x?a=1#f", base) == "/v1/x?a=1#f"
+    assert proxied_location("HTTP://ENGINE:8000/openai", base) == "/"
+    assert proxied_location("http://engine:8000/openai-other/x", base) is None  # not under the base path
+    assert proxied_location("https://engine:8000/openai/x", base) is None  # another scheme: another service
+    assert proxied_location("http://engine/x", "http://engine:80") == "/x"
+    assert proxied_location("http://elsewhere:8000/openai/x", base) == "http://elsewhere:8000/openai/x"
+
+
+async def test_w3c_trace_context_and_baggage_reach_the_engine(proxy, up, model):
+    """``traceparent``, ``tracestate`` and ``baggage`` go upstream as the client sent
+    them (an engine that traces joins the client's trace), on generation routes and
+    ``/v1/models``; the client's other headers still do not."""
+    trace = {
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "tracestate": "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+        "baggage": "userId=alice,serverNode=DF%2028",
+    }
+    up.on(model, reply(response(200, JSON, b"{}")))
+    up.on("/v1/models", reply(response(200, JSON, b'{"object":"list","data":[]}')))
+    await call(proxy.url, chat(model), headers={**trace, "X-Internal-Secret": "s3", "Cookie": "session=1"})
+    await call(proxy.url, method="GET", path="/v1/models", headers=trace)
+    for seen in (up.seen_for(model)[-1], up.seen_for("/v1/models")[-1]):
+        assert {k: seen.headers.get(k) for k in trace} == trace
+    assert "x-internal-secret" not in up.seen_for(model)[-1].headers and "cookie" not in up.seen_for(model)[-1].headers
+    await call(proxy.url, chat(model))  # none sent: none made up
+    assert not any(k in up.seen_for(model)[-1].headers for k in trace)
+
+
+VALIDATORS = [("ETag", '"v1-abc"'), ("Content-MD5", "Q2hlY2sgSW50ZWdyaXR5IQ=="), ("Content-Digest", "sha-256=:X48E9qOokqqrvdts8nOJRJN3OWDUoyWxBf7kbu9DBPE=:"), ("Repr-Digest", "sha-256=:X48E9qOokqqrvdts8nOJRJN3OWDUoyWxBf7kbu9DBPE=:"), ("Digest", "SHA-256=X48E9qOokqqrvdts8nOJRJN3OWDUoyWxBf7kbu9DBPE=")]  # fmt: skip
+
+
+async def test_validators_of_bytes_the_proxy_changed_do_not_reach_the_client(proxy, assembling, up, model):
+    """After decoding a gzip body, the engine's digests describe bytes the client never
+    gets (dropped) and its strong ETag an encoding it never sees (weakened: ``W/``). An
+    identity body keeps them all; a stream the proxy may add to loses the digests; an
+    assembled answer, another representation, has no ETag."""
+    body = b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    up.on(model + "-gzip", reply(response(200, [*JSON, ("Content-Encoding", "gzip"), *VALIDATORS], gzipped(body))))
+    up.on(model + "-plain", reply(response(200, [*JSON, *VALIDATORS], body)))
+    up.on(model + "-stream", stream([FINISHED], headers=[*SSE, *VALIDATORS]))
+    up.on(model + "-asm", stream([FINISHED], headers=[*SSE, *VALIDATORS]))
+    status, headers, raw = await call(proxy.url, chat(model + "-gzip"))
+    assert (status, raw) == (200, body) and headers["ETag"] == 'W/"v1-abc"'
+    assert not any(k in headers for k in ("Content-MD5", "Content-Digest", "Repr-Digest", "Digest"))
+    _, headers, raw = await call(proxy.url, chat(model + "-plain"))
+    assert raw == body and all(headers[k] == v for k, v in VALIDATORS)
+    _, headers, raw = await call(proxy.url, chat(model + "-stream", stream=True))
+    assert raw == FINISHED + DONE and headers["ETag"] == 'W/"v1-abc"' and "Content-Digest" not in headers
+    status, headers, _ = await call(assembling.url, chat(model + "-asm"))
+    assert status == 200 and "ETag" not in headers and not any(k in headers for k in ("Content-MD5", "Content-Digest", "Repr-Digest", "Digest"))
+
+
+async def test_an_upstream_url_ending_in_v1_is_warned_about_once(up, model, tmp_path):
+    """``upstream.url: http://engine:8000/v1`` (the OpenAI SDK's base_url form) sends
+    ``/v1/v1/chat/completions``. Not refused, since an engine mounted under a ``/v1``
+    prefix is possible, but warned about once at start-up, naming the URL it makes."""
+    up.on(model, reply(response(200, JSON, b"{}")))
+    folder = tmp_path
+    cfg = {
+        "upstream": {"url": up.url + "/v1", "kind": "openai", "load_signal": {"enabled": False}},
+        "default_group": "bronze",
+        "groups": [{"name": "bronze", "users": [{"id": "carl", "api_key": "sk-carl-secret"}]}],
+    }
+    (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = start_proxy(folder / "c.yaml", port)
+    try:
+        for _ in range(2):
+            assert (await call(f"http://127.0.0.1:{port}", chat(model)))[0] == 200
+        assert [s.target for s in up.seen_for(model)] == ["/v1/v1/chat/completions"] * 2
+    finally:
+        assert stop_proxy(proc) == 0
+    log = proc.log_path.read_text()
+    assert log.count("ends in /v1") == 1 and f"{up.url}/v1/v1/chat/completions" in log
