@@ -89,6 +89,11 @@ class UpstreamConfig(_Model):
     APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential
     for the upstream; clients' keys are never forwarded. ``load_signal``: see
     :class:`LoadSignalConfig`.
+
+    ``max_model_len``: the engine's context length in tokens (vLLM ``--max-model-len``),
+    when known: a request reserves at most that minus its prompt estimate as output,
+    whatever its ``max_tokens`` (an engine cannot generate past its context). With
+    ``pools``, the default of each engine's own.
     """
 
     url: str = "http://127.0.0.1:8001"
@@ -102,6 +107,7 @@ class UpstreamConfig(_Model):
     max_connections: int = Field(default=0, ge=0)
     stream_non_streaming: bool = False
     stream_usage: bool = True
+    max_model_len: int | None = Field(default=None, ge=1)
     load_signal: LoadSignalConfig = LoadSignalConfig()
 
     @field_validator("url")

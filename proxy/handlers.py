@@ -148,7 +148,10 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     admitted = not (kind.opaque and not active.config.passthrough.admit)
     try:
         if admitted:
-            ticket = await admission.acquire(ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, pool=route.pool, key=key)
+            ceiling = pool.spec.output_ceiling(parsed.prompt_tokens)  # the engines' context length, if known
+            ticket = await admission.acquire(
+                ident.user_id, None, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, ceiling, pool=route.pool, key=key
+            )
         else:  # passthrough.admit: false: straight to an engine, outside admission
             ticket = None
             engine = pool.router.choose(0, key, over=True)

@@ -163,6 +163,11 @@ class EngineConfig(_Model):
     ``--enable-priority-scheduling``: ``priority``); the proxy writes each request's
     group rank there (:mod:`proxy.engine_body`). Never sent when unset.
     ``priority_order``: ``lower_first`` (vLLM) or ``higher_first`` (SGLang's default).
+    ``max_model_len``: this engine's context length in tokens (default:
+    ``upstream.max_model_len``); a request to its pool reserves at most the pool's
+    smallest one, minus its prompt, as output (:attr:`PoolSpec.max_model_len`).
+    ``stream_usage``: ``upstream.stream_usage`` for this engine (``None``: the
+    ``upstream`` section's), e.g. ``false`` for one engine that rejects ``stream_options``.
     """
 
     url: str
@@ -176,6 +181,8 @@ class EngineConfig(_Model):
     load_signal: dict[str, Any] | None = None
     priority_field: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
     priority_order: Literal["lower_first", "higher_first"] = "lower_first"
+    max_model_len: int | None = Field(default=None, ge=1)
+    stream_usage: bool | None = None
 
     @field_validator("url")
     @classmethod
@@ -294,15 +301,34 @@ class PoolSpec:
         """Whether this pool takes every model no pool names."""
         return any(m.name == CATCH_ALL for m in self.models)
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest context length (tokens) among this pool's engines that give one,
+        or ``None``: a request is admitted before its engine is chosen (bind late), so
+        its reservation must fit whichever engine of the pool gets it."""
+        lens = [e.upstream.max_model_len for e in self.engines if e.upstream.max_model_len is not None]
+        return min(lens) if lens else None
+
+    def output_ceiling(self, prompt_tokens: int) -> int | None:
+        """The most output tokens a request with a prompt of ``prompt_tokens`` (the
+        estimate) can get from an engine of this pool: :attr:`max_model_len` minus the
+        prompt, at least 1; ``None`` when no engine gives a context length."""
+        n = self.max_model_len
+        return None if n is None else max(1, n - max(0, prompt_tokens))
+
 
 def _engine_upstream(upstream: Any, engine: EngineConfig) -> Any:
-    """``upstream`` (an UpstreamConfig) with ``engine``'s url, kind, credential and
-    load-signal overrides. Raises ValueError for an invalid ``load_signal`` override."""
+    """``upstream`` (an UpstreamConfig) with ``engine``'s url, kind, credential,
+    ``max_model_len``, ``stream_usage`` and load-signal overrides. Raises ValueError for an invalid ``load_signal`` override."""
     update: dict[str, Any] = {"url": engine.url}
     if engine.kind is not None:
         update["kind"] = engine.kind
     if engine.api_key is not None or engine.api_key_env is not None:
         update["api_key"], update["api_key_env"] = engine.api_key, engine.api_key_env
+    if engine.max_model_len is not None:
+        update["max_model_len"] = engine.max_model_len
+    if engine.stream_usage is not None:
+        update["stream_usage"] = engine.stream_usage
     if engine.load_signal:
         base = upstream.load_signal
         try:

@@ -120,6 +120,35 @@ def test_engines_inherit_what_they_do_not_name():
     assert big.catch_all and not small.catch_all and big.health.check_interval_s == 0
 
 
+def test_max_model_len_and_stream_usage_per_engine():
+    """An engine's own ``max_model_len`` / ``stream_usage``, else ``upstream``'s; a pool's
+    output ceiling is its smallest engine's context length minus the prompt (>= 1)."""
+    cfg = pools_config()
+    cfg["upstream"]["max_model_len"] = 8192
+    cfg["pools"][0]["engines"][0].update(max_model_len=4096, stream_usage=False)
+    small, big = _load(cfg).effective_pools()
+    a, b = small.engines
+    assert (a.upstream.max_model_len, b.upstream.max_model_len, big.engines[0].upstream.max_model_len) == (4096, 8192, 8192)
+    assert (a.upstream.stream_usage, b.upstream.stream_usage) == (False, True)
+    assert small.max_model_len == 4096 and big.max_model_len == 8192
+    assert small.output_ceiling(1000) == 3096 and small.output_ceiling(5000) == 1 and big.output_ceiling(0) == 8192
+    del cfg["upstream"]["max_model_len"]
+    small, big = _load(cfg).effective_pools()
+    assert small.max_model_len == 4096 and big.max_model_len is None and big.output_ceiling(10) is None
+    single = base_config("http://engine:8000")
+    single["upstream"]["max_model_len"] = 2048
+    (pool,) = _load(single).effective_pools()
+    assert pool.output_ceiling(48) == 2000
+
+
+@pytest.mark.parametrize("bad", [0, -1, "4k"])
+def test_max_model_len_must_be_a_positive_count(bad):
+    cfg = pools_config()
+    cfg["pools"][0]["engines"][0]["max_model_len"] = bad
+    with pytest.raises(ConfigError, match="max_model_len"):
+        _load(cfg)
+
+
 def _broken(mutate) -> str:
     cfg = pools_config()
     mutate(cfg)

@@ -9,6 +9,7 @@ engine served what (``X-Engine``), never on timings.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import pytest
@@ -171,6 +172,62 @@ async def test_alias_and_two_level_priority_reach_only_configured_engines(proxie
         assert all(s.json["model"] == "engine-name" for s in seen)
         (p,) = plain.seen_for("plain")
         assert "priority" not in p.json
+
+
+async def test_an_absurd_max_tokens_reserves_at_most_the_pools_context_length(proxies, tmp_path, http):
+    """``max_tokens: 2**40`` on a pool whose engines have 8192 and 4096 tokens of context
+    reserves at most 4096 (the smallest: the engine is chosen after admission), prompt
+    included, not ``cost.max_tokens_ceiling``: with ``max_inflight_tokens: 10000`` it is
+    admitted (without the ceiling it could never fit: 400 request_too_large), and
+    ``/admin/status`` shows 4096 tokens in flight while it runs."""
+    release = threading.Event()
+
+    def slow(sock, seen) -> None:
+        release.wait(20)
+        sock.sendall(response(200, [("Content-Type", "application/json")], b'{"id":"x","object":"chat.completion","choices":[]}'))
+
+    with ScriptedUpstream() as a, ScriptedUpstream() as b:
+        for up in (a, b):
+            up.on("ctx", slow)
+        engines = [{"url": a.url, "name": "a", "max_model_len": 8192}, {"url": b.url, "name": "b", "max_model_len": 4096}]
+        cfg = pools_config([{"name": "p", "models": ["ctx"], "engines": engines, "health": {"check_interval_s": 0}}], max_inflight_tokens=10000)
+        px = proxies(tmp_path, cfg)
+        body = {**chat("ctx"), "max_tokens": 2**40}
+        req = asyncio.ensure_future(http.post(px.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-carl"}))
+        try:
+            for _ in range(100):
+                status = await px.status(http)
+                if status["inflight"] == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert status["inflight"] == 1 and status["inflight_tokens"] == 4096
+        finally:
+            release.set()
+        async with await req as r:
+            assert r.status == 200, await r.text()
+
+
+async def test_stream_usage_can_be_turned_off_for_one_engine(proxies, tmp_path, http):
+    """``stream_usage: false`` on one engine (one that rejects ``stream_options``, say):
+    its streams go as the client sent them; another pool's engine still gets
+    ``include_usage`` asked for (the ``upstream`` section's default)."""
+    sse = [("Content-Type", "text/event-stream")]
+    done = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    with ScriptedUpstream() as plain, ScriptedUpstream() as usage:
+        for up, key in ((plain, "plain"), (usage, "usage")):
+            up.on(key, lambda sock, seen: sock.sendall(response(200, sse, done)))
+        cfg = pools_config(
+            [
+                {"name": "plain", "models": ["plain"], "engines": [{"url": plain.url, "stream_usage": False}]},
+                {"name": "usage", "models": ["usage"], "engines": [{"url": usage.url}]},
+            ]
+        )
+        px = proxies(tmp_path, cfg)
+        for model in ("plain", "usage"):
+            async with http.post(px.url + "/v1/chat/completions", json=chat(model, stream_=True), headers={"Authorization": "Bearer sk-carl"}) as r:
+                assert r.status == 200 and await r.read() == done
+        assert "stream_options" not in plain.seen_for("plain")[0].json
+        assert usage.seen_for("usage")[0].json["stream_options"] == {"include_usage": True}
 
 
 # ---------------------------------------------------------------------- dispatch
