@@ -129,7 +129,12 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     model = parsed.fields.get("model")
     if isinstance(model, str):
         ex.model = model[:MODEL_CHARS]
-    route = native_route(active.models, model) if native else active.models.route(model)
+    if native:
+        route = native_route(active.models, model)
+    elif kind.opaque and not isinstance(model, str):  # no JSON body naming a model (an upload, a GET)
+        route = Route(active.models.default_pool) if active.models.default_pool is not None else None
+    else:
+        route = active.models.route(model)
     if route is None:
         state.metrics.requests.labels(group_name, m.OUTCOME_BAD_REQUEST).inc()
         ex.outcome, ex.detail = m.OUTCOME_BAD_REQUEST, "model_not_found"

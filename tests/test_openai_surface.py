@@ -229,3 +229,30 @@ async def test_pass_through_outside_admission_is_never_queued(engines, proxies, 
                 assert r.status == 200
         st = await px.status(http)
         assert st["users"] == [] and st["inflight"] == 0  # never admitted, never charged
+
+
+async def test_pass_through_without_a_model_goes_to_the_only_pool_else_names_model(proxies, tmp_path, http):
+    with ScriptedUpstream() as one, ScriptedUpstream() as other:
+        for up in (one, other):
+            up.on("/v1/files", lambda sock, seen: sock.sendall(response(200, JSON, b'{"data":[]}')))
+            up.on("chatter", lambda sock, seen: sock.sendall(response(200, JSON, b'{"ok":true}')))
+        single = pools_config([{"name": "only", "models": ["listed"], "engines": [{"url": one.url, "name": "one"}]}])
+        single["passthrough"] = {"enabled": True}
+        px = proxies(tmp_path, single)
+        async with http.get(px.url + "/v1/files") as r:  # no body, no model: the only pool
+            assert r.status == 200 and len(one.seen_for("/v1/files")) == 1
+        two = pools_config(
+            [
+                {"name": "a", "models": ["listed"], "engines": [{"url": one.url, "name": "one"}]},
+                {"name": "b", "models": ["chatter"], "engines": [{"url": other.url, "name": "other"}]},
+            ]
+        )
+        two["passthrough"] = {"enabled": True}
+        px.write(two)
+        await px.reload(http)
+        async with http.get(px.url + "/v1/files") as r:  # two pools, no catch-all: which one is the client's to say
+            assert r.status == 400 and (await r.json())["error"]["param"] == "model"
+        async with http.post(px.url + "/v1/rerank", json={"model": "chatter", "query": "q"}) as r:
+            assert r.status == 200 and other.seen_for("chatter")[-1].target == "/v1/rerank"
+        async with http.post(px.url + "/v1/rerank", json={"model": "unknown"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
