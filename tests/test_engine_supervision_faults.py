@@ -157,12 +157,12 @@ def test_up_passes_the_crash_limit_to_the_engine_and_fails_when_it_gives_up(tmp_
     assert len(starts(tmp_path / "starts.jsonl")) == 2
 
 
-def test_up_names_the_process_that_exited_and_its_status(tmp_path):
-    """The engine gives up after it was ready (here: one crash with --crash-limit 1): ``up``
-    says which process ended and how, then stops the proxy."""
+def _start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """``llm-qos up`` over the fake LightLLM engine, once its proxy answers ``/health``:
+    ``(process, proxy port)``. The caller stops the process."""
     proxy_port = free_port()
     cmd = [sys.executable, "-m", "proxy", "up", "--backend", "lightllm", "--model", str(tmp_path / "model"),
-           "--port", str(proxy_port), "--engine-port", str(free_port()), "--crash-limit", "1"]
+           "--port", str(proxy_port), "--engine-port", str(free_port()), *extra]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=open(tmp_path / "launcher.log", "w"), text=True, preexec_fn=die_with_parent)
     try:
@@ -171,6 +171,17 @@ def test_up_names_the_process_that_exited_and_its_status(tmp_path):
         while not _http_ok(f"http://127.0.0.1:{proxy_port}/health"):
             assert time.monotonic() < deadline, "the proxy never answered /health"
             time.sleep(0.2)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, proxy_port
+
+
+def test_up_names_the_process_that_exited_and_its_status(tmp_path):
+    """The engine gives up after it was ready (here: one crash with --crash-limit 1): ``up``
+    says which process ended and how, then stops the proxy."""
+    proc, proxy_port = _start_up(tmp_path, "--crash-limit", "1")
+    try:
         (engine,) = starts(tmp_path / "starts.jsonl")
         os.kill(engine["pid"], signal.SIGKILL)
         assert proc.wait(60) == 1, _log(tmp_path)
@@ -235,17 +246,8 @@ def _http_ok(url: str) -> bool:
 
 
 def test_sighup_to_up_stops_the_proxy_and_the_engine(tmp_path):
-    proxy_port = free_port()
-    cmd = [sys.executable, "-m", "proxy", "up", "--backend", "lightllm", "--model", str(tmp_path / "model"),
-           "--port", str(proxy_port), "--engine-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=open(tmp_path / "launcher.log", "w"), text=True, preexec_fn=die_with_parent)
+    proc, proxy_port = _start_up(tmp_path)
     try:
-        wait_for_line(proc, "llm-qos up: starting the proxy", 60, "up", lambda: _log(tmp_path))
-        deadline = time.monotonic() + 30
-        while not _http_ok(f"http://127.0.0.1:{proxy_port}/health"):
-            assert time.monotonic() < deadline, "the proxy never answered /health"
-            time.sleep(0.2)
         (engine,) = starts(tmp_path / "starts.jsonl")
         proc.send_signal(signal.SIGHUP)
         assert proc.wait(60) == 0, _log(tmp_path)
