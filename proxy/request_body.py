@@ -13,15 +13,23 @@ whatever it leaves out is free for a client to stuff (a 5 000-token prompt hidde
   about 4 characters per token (the rule of thumb OpenAI documents for its
   tokenizers), plus :data:`MESSAGE_OVERHEAD_TOKENS` per message for the chat template;
 * ``tools``, ``functions``, ``tool_choice``, ``response_format`` (a JSON schema),
-  ``prediction``: their JSON text, as chat templates render them into the prompt;
+  ``prediction``: their JSON text, as chat templates render them into the prompt; and
+  vLLM's chat extras that end up in the prompt, ``documents`` (rendered by RAG
+  templates), ``chat_template`` (a template of the client's own, its literal text) and
+  ``chat_template_kwargs``;
 * images (``image_url`` / ``input_image`` parts): a fixed ``cost.image_tokens`` each
   (an image's tokens depend on the model's vision encoder, not on the URL's length);
-  audio, video and file parts: ``cost.media_tokens`` each;
+  audio, video and file parts: ``cost.media_tokens`` each. A part is known by its
+  ``type`` first: an image part costs its image, whatever ``text`` it also carries;
 * completions: ``prompt`` as a string, a list of strings, a list of token ids (each id
-  is one token) or a list of token-id lists, plus ``suffix``.
+  is one token) or a list of token-id lists, plus ``suffix``;
+* LightLLM native: ``inputs``, and ``multimodal_params.images`` at ``cost.image_tokens``
+  each (``multimodal_params.audios``, where a version takes them, at
+  ``cost.media_tokens``).
 
-The output multiplier (``choices``) is ``max(n, best_of)``, times the number of prompts
-of a batched completions request: each choice is generated and reserved separately.
+The output multiplier (``choices``) is ``max(n, best_of)`` (chat too: vLLM takes
+``best_of`` there), times the number of prompts of a batched completions request: each
+choice is generated and reserved separately.
 
 Parsing is cheap and bounded: JSON depth is bounded by orjson's parser (1 024 levels);
 values are measured by serializing them (C speed), and a value too deep for that is
@@ -39,6 +47,7 @@ import orjson
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4  # role and separators of one chat message
 PROMPT_FIELDS = ("tools", "functions", "tool_choice", "response_format", "prediction")
+CHAT_EXTRA_FIELDS = ("documents", "chat_template", "chat_template_kwargs")  # vLLM's, rendered into the prompt
 IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
 MEDIA_PARTS = frozenset({"input_audio", "audio", "audio_url", "file", "input_file", "video_url", "video"})
 
@@ -181,14 +190,14 @@ def _content(content: object, param: str, costs: PromptCosts) -> tuple[int, int]
         if isinstance(part, str):
             chars += len(part)
         elif isinstance(part, dict):
-            kind = part.get("type")
+            kind = part.get("type")  # the type first: an image part with "text": "" is an image
             text = part.get("text")
-            if isinstance(text, str):
-                chars += len(text)
-            elif kind in IMAGE_PARTS:
+            if kind in IMAGE_PARTS:
                 fixed += costs.image_tokens
             elif kind in MEDIA_PARTS:
                 fixed += costs.media_tokens
+            elif isinstance(text, str):
+                chars += len(text)
             else:  # a refusal, or a part type not known here: its text, all of it
                 chars += json_chars(part)
         else:
@@ -203,8 +212,8 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     Raises:
         BadRequest: not a JSON object; ``messages`` missing, empty or not a list of
             objects; a ``content`` neither a string nor a list; ``stream`` not a
-            boolean; ``max_tokens`` / ``max_completion_tokens`` / ``n`` not a positive
-            integer.
+            boolean; ``max_tokens`` / ``max_completion_tokens`` / ``n`` / ``best_of`` not
+            a positive integer.
     """
     obj = _load_object(raw)
     messages = obj.get("messages")
@@ -220,7 +229,7 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
         for k, v in m.items():
             if k != "content" and k != "role" and v is not None:
                 chars += json_chars(v)
-    for k in PROMPT_FIELDS:
+    for k in (*PROMPT_FIELDS, *CHAT_EXTRA_FIELDS):
         v = obj.get(k)
         if v is not None:
             chars += json_chars(v)
@@ -232,7 +241,7 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
         max_tokens=max(caps) if caps else None,
         prompt_tokens=text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * len(messages),
         fields=obj,
-        choices=_multiplier(obj, "n"),
+        choices=_multiplier(obj, "n", "best_of"),
     )
 
 
@@ -277,7 +286,9 @@ def parse_completion(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRe
 def parse_generate(raw: bytes, stream: bool, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     """Parse a LightLLM native ``/generate`` or ``/generate_stream`` body:
     ``{"inputs": str, "parameters": {"max_new_tokens": int, "best_of": int, "n": int,
-    ...}}`` (``parameters`` is required by LightLLM). Without ``max_new_tokens`` the request
+    ...}, "multimodal_params": {"images": [{"type": "url" | "base64", "data": ...}, ...]}}``
+    (``parameters`` is required by LightLLM; each image costs ``costs.image_tokens``).
+    Without ``max_new_tokens`` the request
     names no limit, like an OpenAI request without ``max_tokens``: LightLLM v1.2.0 then
     generates up to 65535 tokens, cut to its length limit (0.0.1: 16), so a group's cap
     applies (``core/objs/sampling_params.py``, ``httpserver/manager.py:_check_and_repair_length``).
@@ -294,11 +305,19 @@ def parse_generate(raw: bytes, stream: bool, costs: PromptCosts = DEFAULT_COSTS)
     if not isinstance(params, dict):
         raise BadRequest("'parameters' must be an object", "parameters")
     max_new = _opt_int(params, "max_new_tokens")
+    fixed = 0
+    media = obj.get("multimodal_params")
+    if isinstance(media, dict):
+        images, audios = media.get("images"), media.get("audios")
+        if isinstance(images, list):
+            fixed += costs.image_tokens * len(images)
+        if isinstance(audios, list):
+            fixed += costs.media_tokens * len(audios)
     return ParsedRequest(
         body=raw,
         stream=stream,
         max_tokens=max_new,
-        prompt_tokens=text_tokens(len(inputs)),
+        prompt_tokens=text_tokens(len(inputs)) + fixed,
         fields=obj,
         choices=_multiplier(params, "n", "best_of"),
     )

@@ -113,3 +113,54 @@ def test_deep_nesting_is_counted_without_recursion_and_json_depth_is_bounded():
     bomb = b'{"messages":[{"role":"user","content":"hi"}],"tools":' + b"[" * 5000 + b"]" * 5000 + b"}"
     with pytest.raises(BadRequest):
         parse_chat(bomb)
+
+
+def test_a_part_is_known_by_its_type_first():
+    # an image or media part that also carries "text": "" costs its image, not 0
+    parts = [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}, "text": ""},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "text": ""},
+        {"type": "input_audio", "input_audio": {"data": "B" * 1000, "format": "wav"}, "text": ""},
+    ]
+    p = parse_chat(orjson.dumps({"messages": [{"role": "user", "content": parts}]}), DefaultPromptCosts(image_tokens=300, media_tokens=50))
+    assert p.prompt_tokens == 2 * 300 + 50 + MESSAGE_OVERHEAD_TOKENS
+    # a text part is still its text
+    text = parse_chat(orjson.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "t" * 400}]}]}))
+    assert text.prompt_tokens == 100 + MESSAGE_OVERHEAD_TOKENS
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("documents", [{"title": "t", "text": "d" * 20_000}]),
+        ("chat_template", "{% for m in messages %}" + "x" * 20_000 + "{% endfor %}"),
+        ("chat_template_kwargs", {"context": "c" * 20_000}),
+    ],
+)
+def test_vllm_chat_extras_that_end_up_in_the_prompt_are_counted(field, value):
+    p = parse_chat(chat(**{field: value}))
+    assert 5000 <= p.prompt_tokens - BASE <= 5100
+
+
+def test_chat_best_of_multiplies_the_output_too():
+    assert parse_chat(chat(best_of=3)).choices == 3
+    assert parse_chat(chat(n=2, best_of=5)).choices == 5
+    assert parse_chat(chat(n=4, best_of=2)).choices == 4
+    with pytest.raises(BadRequest) as e:
+        parse_chat(chat(best_of=0))
+    assert e.value.param == "best_of"
+
+
+def test_native_generate_counts_multimodal_images():
+    costs = DefaultPromptCosts(image_tokens=300, media_tokens=50)
+    images = [{"type": "url", "data": "https://example.com/cat.png"}, {"type": "base64", "data": "A" * 100_000}]
+    body = {"inputs": "x" * 40, "parameters": {"max_new_tokens": 8}, "multimodal_params": {"images": images}}
+    p = parse_generate(orjson.dumps(body), False, costs)
+    assert p.prompt_tokens == 10 + 2 * 300  # a base64 blob is not its length in tokens
+    assert parse_generate(orjson.dumps(body), False).prompt_tokens == 10 + 2 * 1024  # the documented default
+    body["multimodal_params"]["audios"] = [{"type": "url", "data": "https://example.com/a.wav"}]
+    assert parse_generate(orjson.dumps(body), False, costs).prompt_tokens == 10 + 2 * 300 + 50
+    # malformed or absent: nothing more (LightLLM refuses a malformed one itself)
+    for mm in ({"images": "x"}, "x", None, {}):
+        b = {"inputs": "x" * 40, "parameters": {}, "multimodal_params": mm}
+        assert parse_generate(orjson.dumps(b), False, costs).prompt_tokens == 10
