@@ -16,12 +16,15 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
   while it reports itself saturated; absent when there is none), and ``lease`` is this
   process's part of the engine when several replicas share it (granted through Redis:
   :mod:`proxy.capacity_leases`; absent standalone). A lease may be 0, and a token lease
-  caps ``inflight_tokens + t`` with no idle-engine exception: another replica's requests
-  may be running there.
+  caps ``inflight_tokens + t`` (another replica's requests may be running there).
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
 * **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
-  ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens`` or
-  nothing is in flight there (one request always fits an idle engine, as before pools).
+  ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens``. No
+  exception for an idle engine: a request goes only to an engine whose token capacity
+  can hold it (one above every engine's is refused at submit, 400 ``request_too_large``:
+  :meth:`PoolCapacity.admissible`), so with engines of different token capacities a
+  request too large for a small one waits for a large one instead of filling the small
+  one while it is idle.
 * **headroom** ``h(e, t)``: the fraction of the engine still free once the request is
   placed, the smallest of ``1 - (inflight + 1) / cap``, ``1 - (inflight_tokens + t) /
   max_inflight_tokens`` (when set) and ``1 - load / saturated_at`` (when a fresh load
@@ -164,7 +167,12 @@ class EngineState:
         if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
             return False
         cap = self.spec.max_inflight_tokens
-        return cap is None or self.inflight == 0 or self.inflight_tokens + tokens <= cap
+        return cap is None or self.inflight_tokens + tokens <= cap
+
+    def can_hold(self, tokens: int) -> bool:
+        """Whether its token capacity can ever hold a request reserving ``tokens``."""
+        cap = self.spec.max_inflight_tokens
+        return cap is None or tokens <= cap
 
     def headroom(self, tokens: int = 0, placed: int = 1) -> float:
         """``h(e, t)`` of the module docstring: the fraction left free once ``placed``
@@ -393,12 +401,13 @@ class PoolRouter:
             commit: advance the policy's rotation (False for a mere "is there one?").
             over: when no engine fits, take the engine in rotation with the most headroom
                 even if it is full (a request already dispatched whose engine failed
-                before it was sent: :meth:`reroute`), but never past a lease: a lease is
-                this replica's part of an engine other replicas also fill.
+                before it was sent: :meth:`reroute`), but never past a lease (a lease is
+                this replica's part of an engine other replicas also fill) and never one
+                whose token capacity cannot hold the request at all.
         """
         cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens)]
         if not cands and over:
-            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and _within_lease(e, tokens)]
+            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and e.can_hold(tokens) and _within_lease(e, tokens)]
             return max(rest, key=lambda e: e.headroom(tokens), default=None)
         if not cands:
             return None
@@ -559,8 +568,9 @@ class PoolCapacity:
     ``slots``: the requests the engines may run now, together (an engine out of rotation
     counts only what still runs there), so the scheduler's "is there room at all?" test
     stays exact. ``admissible(tokens)``: some engine of the pool (draining ones aside)
-    could ever take a request that large (its ``max_inflight_tokens``; one request always
-    fits an idle engine, as before pools, so only a token cap refuses).
+    could ever take a request that large (its ``max_inflight_tokens``): the scheduler
+    refuses one that none could at submit (400 ``request_too_large``), and the router
+    places the others only on an engine that can hold them.
 
     Args:
         router: the pool's router.
@@ -616,8 +626,7 @@ class PoolCapacity:
         for e in self.router.engines.values():
             if e.draining:
                 continue
-            cap = e.spec.max_inflight_tokens
-            if cap is None or tokens <= cap:
+            if e.can_hold(tokens):
                 return True
             some = True
         return not some

@@ -13,7 +13,7 @@ import yaml
 from proxy.config import parse_config
 from proxy.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
 from proxy.pool_config import HealthConfig, PoolSpec
-from proxy.router import NoEngineFits, PoolRouter, affinity_key, rendezvous_order
+from proxy.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order
 from qos import Ticket
 from tests.conftest import base_config
 
@@ -87,14 +87,39 @@ def test_tokens_and_load_lower_headroom():
     assert b.headroom(100) == pytest.approx(1 - 0.9 / 0.95)
 
 
-def test_a_request_over_the_token_budget_still_fits_an_idle_engine_only():
+def test_a_request_goes_only_to_an_engine_whose_token_capacity_can_hold_it():
+    r = router(eng(1, max_inflight=8, max_inflight_tokens=100), eng(2, max_inflight=8, max_inflight_tokens=1000))
+    small, large = r.engines.values()
+    held = ticket(600)  # keeps most of the large one busy
+    assert r.reserve(held) is large
+    big = ticket(500)
+    # the small engine is idle, but 500 > its 100: never there (no idle exception), so
+    # it waits for the large one ...
+    assert not small.fits(500) and not r.fits(big)
+    assert r.choose(500, over=True) is large  # a reroute with over=True too, never the small one
+    large.health.state = Health.EJECTED
+    assert r.choose(500, over=True) is None  # rather no engine than one that cannot hold it
+    assert r.choose(50, over=True) is small
+    large.health.state = Health.HEALTHY
+    r.release(held)
+    assert r.reserve(big) is large  # ... and goes there once it has room
+    assert r.reserve(ticket(50)) is small  # a small request still fits the small one
+    # a request no engine could ever hold is refused at submit (400 request_too_large)
+    cap = PoolCapacity(r)
+    assert cap.admissible(1000) and not cap.admissible(1001)
+
+
+def test_a_single_engine_refuses_at_submit_what_its_token_capacity_cannot_hold():
     r = router(eng(1, max_inflight_tokens=100))
     (a,) = r.engines.values()
-    big = ticket(500)
-    assert r.fits(big)  # nothing in flight: one request always fits, as before pools
-    r.reserve(big)
-    assert not r.fits(ticket(1))  # 500 + 1 > 100
-    r.release(big)
+    cap = PoolCapacity(r)
+    assert not cap.admissible(500)  # the scheduler answers 400 request_too_large at once
+    assert not r.fits(ticket(500))  # and the router never places it, idle or not
+    t = ticket(100)
+    assert cap.admissible(100) and r.fits(t)
+    r.reserve(t)
+    assert not r.fits(ticket(1))  # 100 + 1 > 100
+    r.release(t)
     assert r.fits(ticket(1)) and a.inflight == 0 and a.inflight_tokens == 0
 
 
