@@ -424,12 +424,17 @@ class Admission:
     def snapshot(self, top_users: int = 20) -> dict:
         """:meth:`qos.Scheduler.snapshot` summed over the pools (requests, capacity and
         queue counts added; per group and per user, counts and recent service added, a
-        user served by several pools listed once), with ``pools``: every pool's name,
+        user served by several pools listed once and counted once in ``users_total``),
+        with ``pools``: every pool's name,
         queued, in flight, capacity, retired flag and queue per group, and ``engines``:
         every engine (:meth:`proxy.router.EngineState.status`)."""
         pools = list(self.all_pools())
         snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
         snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)
+        if len(snaps) > 1:
+            # distinct users: one served by several pools is tracked by each of them
+            # (O(users tracked), as each snapshot already is)
+            snap["users_total"] = _distinct(p.scheduler.user_ids() for p in pools)
         snap["pools"] = [
             {
                 "name": p.name,
@@ -469,6 +474,14 @@ def _merge(snaps: list[dict], top_users: int) -> dict:
                 acc[k] += u[k]
     out["users"] = sorted(users.values(), key=lambda u: (u["recent_service"], u["queued"] + u["inflight"]), reverse=True)[: max(0, top_users)]
     return out
+
+
+def _distinct(groups) -> int:
+    """How many distinct ids the collections ``groups`` hold together."""
+    seen: set[str] = set()
+    for ids in groups:
+        seen.update(ids)
+    return len(seen)
 
 
 def _fresh(refusal: Refused) -> Refused:

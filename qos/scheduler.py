@@ -714,6 +714,11 @@ class Scheduler:
         """Users whose fair-share state is kept now."""
         return len(self._accounts)
 
+    def user_ids(self):
+        """The ids of the users tracked now (a live view: do not keep it across calls
+        that submit or release)."""
+        return self._accounts.keys()
+
     def snapshot(self, top_users: int = 20) -> dict:
         """A JSON-ready view for status pages: per class depth, in flight, virtual time,
         recent service (token units, decayed with time constant ``share_window_s``) and

@@ -129,3 +129,16 @@ async def test_a_removed_engine_drains_and_leaves():
     assert [e.name for e in gone] == ["a2"] and "a2" not in router.engines
     for t in (t1, t2, t3):
         adm.release(t)
+
+
+async def test_the_status_counts_a_user_of_several_pools_once():
+    adm = admission(config([pool("a", "a1"), pool("b", "b1")]))
+    for u, p in (("carl", "a"), ("carl", "b"), ("dana", "a")):  # (one slot per pool)
+        adm.release(await adm.acquire(u, None, 5, 5, pool=p))
+    held = await adm.acquire("erin", None, 5, 5, pool="b")
+    assert [p.scheduler.users_tracked for p in adm.pools.values()] == [2, 2]
+    snap = adm.snapshot()
+    assert snap["users_total"] == 3  # carl, tracked by both pools, once
+    assert sorted(u["user"] for u in snap["users"]) == ["carl", "dana", "erin"]
+    assert snap["inflight"] == 1
+    adm.release(held)
