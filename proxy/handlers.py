@@ -98,7 +98,7 @@ async def handle_generation(request: web.Request, kind: RequestKind) -> web.Stre
 async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> web.StreamResponse:
     state = request.app[STATE]
     native = kind.native
-    path = kind.path if kind.path is not None else request.raw_path.partition("?")[0]
+    path = kind.path if kind.path is not None else raw_target(request).partition("?")[0]
     loop = asyncio.get_running_loop()
     try:
         raw = await request.read()
@@ -180,14 +180,17 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     ex.queue_wait = loop.time() - ex.arrived_at
     upstream = None
     aborted = False
+    transfer_broke = False  # a pass-through answer's transfer broke (its only health signal)
     query = raw_query(request)
     trace = trace_headers(request.headers)
+    # a pass-through body is the client's own (a multipart upload, audio): its type goes with it
+    body_headers = {"Content-Type": request.headers.get("Content-Type"), "Accept": request.headers.get("Accept")} if kind.opaque else None
     try:
         tried = []
         while True:
             plan = _engine_plan(parsed, engine, route, kind, admission.policy, ex.group)
             try:
-                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native, trace)
+                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native, trace, body_headers)
                 break
             except UpstreamError as e:
                 if e.unsent:  # it never reached the engine: another one may take it
@@ -215,8 +218,16 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
         ctype = upstream.headers.get("Content-Type", "").lower()
         is_json = "json" in ctype
-        streamed = parsed.stream or (kind.opaque and "text/event-stream" in ctype)
-        if streamed and upstream.status == 200 and not is_json:
+        if kind.opaque:  # any answer, relayed as bytes as they come: a file, audio, a stream
+            resp = await relay_stream(request, upstream, ex, _no_progress, kind.scanner(), active.config.limits.client_write_timeout_s, base_url=engine.url)
+            transfer_broke = ex.outcome == m.OUTCOME_UPSTREAM_ERROR
+            if upstream.status >= 400 and ex.outcome == m.OUTCOME_OK:
+                ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, f"upstream answered {upstream.status}"
+            return resp
+        # an event stream, asked for or not (transformers serve streams a Responses request
+        # that names no ``stream``): relayed and accounted as a stream, as the engine sent it
+        streamed = parsed.stream or "text/event-stream" in ctype
+        if streamed and upstream.status == 200 and not is_json and not plan.assemble:
             progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
             return await relay_stream(
                 request,
@@ -252,8 +263,11 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             # reported in-band) is a failure; an error the engine reported otherwise (an
             # in-band 400, "prompt too long") is the engine answering, like a 4xx status:
             # a client's bad requests must not eject it. A stream that broke or ended
-            # unfinished is a failure.
-            if upstream.status >= 500:
+            # unfinished is a failure. A pass-through path's answer, any status, says nothing
+            # of the engine's health (a 5xx may be that path's own): only a broken transfer.
+            if kind.opaque:
+                admission.report(engine, not transfer_broke, "stream_cut", ex.detail)
+            elif upstream.status >= 500:
                 admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
             elif (ex.engine_error_status or 0) >= 500:
                 admission.report(engine, False, "http_5xx", f"reported a {ex.engine_error_status} error in its answer")
@@ -312,9 +326,19 @@ def _no_progress(tokens: int) -> None:
 
 
 async def _open(
-    engine: EngineState, method: str, path: str, plan: UpstreamBody, ex: Exchange, query: str, native: bool, trace: dict[str, str]
+    engine: EngineState,
+    method: str,
+    path: str,
+    plan: UpstreamBody,
+    ex: Exchange,
+    query: str,
+    native: bool,
+    trace: dict[str, str],
+    body_headers: dict[str, str | None] | None = None,
 ) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
-    """Open the upstream request for ``plan`` on ``engine``. An engine that rejects the
+    """Open the upstream request for ``plan`` on ``engine`` (``body_headers``: the
+    client's ``Content-Type`` and ``Accept`` for a pass-through body, ``None`` values
+    left out; see :meth:`proxy.upstream.Upstream.open`). An engine that rejects the
     proxy's own ``stream_options`` (a 400/417/422 whose body names it) gets the request
     once more without them (``proxy.upstream_body``).
 
@@ -324,7 +348,7 @@ async def _open(
             (a reset, a short body, ``idle_timeout_s`` of silence).
     """
     up = engine.client
-    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace)
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace, body_headers=body_headers)
     if plan.fallback is None or native or upstream.status not in REJECTED:
         return upstream, plan
     try:
@@ -351,7 +375,19 @@ async def _open(
 def raw_query(request: web.Request) -> str:
     """The client's query string exactly as it sent it (still percent-encoded; the
     parsed ``rel_url`` would decode ``%2F`` and the like)."""
-    return request.raw_path.partition("?")[2]
+    return raw_target(request).partition("?")[2]
+
+
+def raw_target(request: web.Request) -> str:
+    """The request target's path and query as the client sent them (still
+    percent-encoded), in origin form: an absolute-form target (``GET http://host/v1/x``,
+    RFC 9112 §3.2.2) loses its scheme and authority, which name no engine of ours."""
+    target = request.raw_path
+    if target.startswith("/"):
+        return target
+    rest = target.partition("://")[2]
+    i = rest.find("/")
+    return rest[i:] if i >= 0 else "/"
 
 
 def _message_of(body: bytes) -> str:

@@ -46,8 +46,8 @@ from aiohttp import web
 
 from .errors import error_status
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
-from .relay_headers import REQUEST_ID, client_headers
-from .sse import DONE_EVENT, EventTooLarge, OpaqueStream, SSEScanner, UsageStripper, error_of
+from .relay_headers import REQUEST_ID, client_headers, content_coding
+from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
 __all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "StreamScanner", "relay_body", "relay_stream", "usage_of"]
 
@@ -174,12 +174,16 @@ class StreamScanner(Protocol):
         tokens: output tokens so far; prompt_tokens: reported prompt tokens, or ``None``;
         error: an in-band error the engine reported (``{"message": ...}``), or ``None``;
         partial: bytes of an unterminated event are pending.
+        sse: the stream is server-sent events the proxy reads (and may add to): its
+            validators go and SSE headers are set; ``False``: bytes relayed untouched,
+            with the engine's headers and length.
     """
 
     tokens: int
     prompt_tokens: int | None
     error: dict | None
     partial: bool
+    sse: bool
 
     def feed(self, chunk: bytes) -> None: ...
     def end(self) -> None: ...
@@ -238,14 +242,18 @@ async def relay_stream(
     """
     loop = asyncio.get_running_loop()
     # a stream the proxy reads may get [DONE] added or usage removed: not the same bytes
-    headers = client_headers(upstream.headers, ex.request_id, base_url, transformed=not isinstance(scanner, OpaqueStream))
+    headers = client_headers(upstream.headers, ex.request_id, base_url, transformed=scanner.sse)
     note_upstream_id(ex, upstream.headers)
-    if "Content-Type" not in headers:
-        headers["Content-Type"] = "text/event-stream"
-    if "Cache-Control" not in headers:
-        headers["Cache-Control"] = "no-cache"
-    headers["X-Accel-Buffering"] = "no"  # nginx in front: do not buffer the stream
+    if scanner.sse:
+        if "Content-Type" not in headers:
+            headers["Content-Type"] = "text/event-stream"
+        if "Cache-Control" not in headers:
+            headers["Cache-Control"] = "no-cache"
+        headers["X-Accel-Buffering"] = "no"  # nginx in front: do not buffer the stream
     resp = web.StreamResponse(status=upstream.status, headers=headers)
+    length = upstream.content_length
+    if not scanner.sse and length is not None and content_coding(upstream.headers) in ("", "identity") and request.method != "HEAD" and upstream.status not in (204, 304):
+        resp.content_length = length  # bytes relayed as they are: a download keeps its length
     await resp.prepare(request)
     ex.status = upstream.status
     stripper = UsageStripper() if strip_usage else None

@@ -373,6 +373,7 @@ class ResponsesStreamScanner:
     """
 
     __slots__ = ("_buf", "tokens", "prompt_tokens", "terminal", "status", "error", "sequence_number")
+    sse = True
 
     def __init__(self) -> None:
         self._buf = bytearray()

@@ -137,6 +137,7 @@ class SSEScanner:
     """
 
     __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished", "ended_choices", "error", "events")
+    sse = True  # events the proxy reads (:class:`proxy.relay.StreamScanner`)
 
     def __init__(self, native: bool = False) -> None:
         self.native = native
@@ -299,6 +300,7 @@ class OpaqueStream:
     """
 
     __slots__ = ("_ended",)
+    sse = False
     tokens = 0
     prompt_tokens: int | None = None
     error: dict | None = None

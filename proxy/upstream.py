@@ -161,6 +161,7 @@ class Upstream:
         query: str = "",
         request_id: str | None = None,
         trace: Mapping[str, str] | None = None,
+        body_headers: Mapping[str, str | None] | None = None,
     ) -> aiohttp.ClientResponse:
         """Send one request, once, and wait for the upstream's status line and headers.
 
@@ -172,6 +173,9 @@ class Upstream:
             request_id: sent as ``X-Request-Id``.
             trace: the client's trace context headers, sent as they are
                 (:func:`proxy.relay_headers.trace_headers`).
+            body_headers: ``Content-Type`` and ``Accept`` to send instead of the proxy's
+                own (JSON, and JSON or an event stream), a ``None`` value leaving that
+                header out: a pass-through body keeps the client's types.
 
         Returns:
             The response with its body unread; the caller must ``close()`` (abort) or
@@ -185,12 +189,18 @@ class Upstream:
                 within ``first_byte_timeout_s`` (``upstream_timeout``).
         """
         config, url, headers = self.config, self._url(path, query), self._headers
-        if request_id is not None or trace:
+        if request_id is not None or trace or body_headers:
             headers = headers.copy()
             if request_id is not None:
                 headers[REQUEST_ID] = request_id
             if trace:
                 headers.update(trace)
+            if body_headers:
+                for name, value in body_headers.items():
+                    if value is None:
+                        headers.popall(name, None)
+                    else:
+                        headers[name] = value
         try:
             if config.first_byte_timeout_s >= config.idle_timeout_s:
                 # aiohttp's sock_read (idle_timeout_s) also bounds the wait for headers

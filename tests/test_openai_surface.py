@@ -19,7 +19,7 @@ import orjson
 import pytest
 from yarl import URL
 
-from tests.scripted_upstream import ScriptedUpstream, response
+from tests.scripted_upstream import ScriptedUpstream, response, stream
 from tests.test_pools_process import ADMIN, Proxy, engine_rows, engines, pools_config, proxies  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -256,3 +256,95 @@ async def test_pass_through_without_a_model_goes_to_the_only_pool_else_names_mod
             assert r.status == 200 and other.seen_for("chatter")[-1].target == "/v1/rerank"
         async with http.post(px.url + "/v1/rerank", json={"model": "unknown"}) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+
+
+async def test_a_pass_through_answer_is_relayed_as_it_comes_with_the_clients_body_type(proxies, tmp_path, http):
+    """A download or audio answer is not held whole in the proxy's memory: its first bytes
+    reach the client while the engine is still sending, with the engine's length; an
+    upload keeps its own ``Content-Type`` (the multipart boundary) and ``Accept``."""
+    big = b"x" * 200_000
+
+    def download(sock, seen):
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (len(big) + 5))
+        sock.sendall(big)
+        time.sleep(1.5)
+        sock.sendall(b"tail!")
+
+    with ScriptedUpstream() as up:
+        up.on("/v1/files/f/content", download)
+        up.on("tts", stream([b"ID3-audio-1", 1.5, b"-audio-2"], headers=[("Content-Type", "audio/mpeg")]))
+        up.on("/v1/uploads", lambda sock, seen: sock.sendall(response(200, JSON, b'{"ok":true}')))
+        cfg = pools_config([{"name": "p", "models": ["*"], "engines": [{"url": up.url, "name": "e"}]}])
+        cfg["passthrough"] = {"enabled": True}
+        px = proxies(tmp_path, cfg)
+        t0 = time.monotonic()
+        async with http.get(px.url + "/v1/files/f/content") as r:
+            assert r.status == 200 and r.headers["Content-Length"] == str(len(big) + 5)
+            first = await r.content.read(1000)
+            first_at = time.monotonic() - t0
+            rest = await r.read()
+        assert first_at < 1.2 and first + rest == big + b"tail!"
+        t0 = time.monotonic()
+        async with http.post(px.url + "/v1/audio/speech", json={"model": "tts", "input": "hi"}) as r:
+            assert r.headers["Content-Type"] == "audio/mpeg" and "X-Accel-Buffering" not in r.headers
+            first = await r.content.readany()
+            first_at = time.monotonic() - t0
+            assert first.startswith(b"ID3") and first_at < 1.2 and first + await r.read() == b"ID3-audio-1-audio-2"
+        form = aiohttp.FormData()
+        form.add_field("file", b"data", filename="a.txt", content_type="text/plain")
+        async with http.post(px.url + "/v1/uploads", data=form, headers={"Accept": "*/*"}) as r:
+            assert r.status == 200
+        seen = up.seen_for("/v1/uploads")[-1]
+        assert seen.headers["content-type"].startswith("multipart/form-data; boundary=") and seen.headers["accept"] == "*/*"
+        boundary = seen.headers["content-type"].split("boundary=", 1)[1]
+        assert boundary.encode() in seen.body
+
+
+async def test_an_engines_own_5xx_on_a_pass_through_path_does_not_eject_it(proxies, tmp_path, http):
+    with ScriptedUpstream() as a, ScriptedUpstream() as b:
+        for up in (a, b):
+            up.on("/v1/boom", lambda sock, seen: sock.sendall(response(500, JSON, b'{"error":{"message":"this path fails"}}')))
+        cfg = pools_config(
+            [{"name": "p", "models": ["*"], "engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}], "health": {"failures_to_eject": 2, "check_interval_s": 60}}]
+        )
+        cfg["passthrough"] = {"enabled": True}
+        px = proxies(tmp_path, cfg)
+        for _ in range(6):
+            async with http.get(px.url + "/v1/boom") as r:
+                assert r.status == 500 and (await r.json())["error"]["message"] == "this path fails"  # the engine's answer, relayed
+        st = await px.status(http)
+        assert {e["name"]: e["state"] for e in st["engines"]} == {"a": "healthy", "b": "healthy"}
+
+
+async def test_an_event_stream_the_client_did_not_ask_for_is_relayed_and_charged_as_a_stream(proxies, tmp_path, http):
+    """transformers serve streams a Responses request that names no ``stream``: the client
+    gets that stream as the engine sent it, and the user is charged for its output."""
+    events = [
+        b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a","sequence_number":1}\n\n',
+        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,"response":{"status":"completed","usage":{"input_tokens":3,"output_tokens":40}}}\n\n',
+    ]
+    with ScriptedUpstream() as up:
+        up.on("resp", stream(events))
+        px = proxies(tmp_path, pools_config([{"name": "p", "models": ["*"], "engines": [{"url": up.url, "name": "e"}]}]))
+        async with http.post(px.url + "/v1/responses", json={"model": "resp", "input": "hi"}, headers={"Authorization": "Bearer sk-carl"}) as r:
+            raw = await r.read()
+            assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream" and "Content-Length" not in r.headers
+        assert raw == b"".join(events)
+        (carl,) = [u for u in (await px.status(http))["users"] if u["user"] == "carl"]
+        assert carl["recent_service"] >= 40  # the engine's usage, not an unread body's nothing
+
+
+async def test_an_absolute_form_request_target_is_served_by_its_path(proxies, tmp_path, http):
+    with ScriptedUpstream() as up:
+        up.on("/v1/files", lambda sock, seen: sock.sendall(response(200, JSON, b'{"data":[]}')))
+        cfg = pools_config([{"name": "p", "models": ["*"], "engines": [{"url": up.url, "name": "e"}]}])
+        cfg["passthrough"] = {"enabled": True}
+        px = proxies(tmp_path, cfg)
+        reader, writer = await asyncio.open_connection("127.0.0.1", px.port)
+        writer.write(b"GET http://evil.example/v1/files?limit=2 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200") and b'{"data":[]}' in answer
+        assert up.seen_for("/v1/files")[-1].target == "/v1/files?limit=2"
