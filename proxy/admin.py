@@ -12,6 +12,7 @@ import time
 
 from aiohttp import web
 
+from .config import SECRET_FIELDS
 from .errors import error_response
 from .handlers import STATE
 
@@ -34,26 +35,23 @@ def check_admin(request: web.Request) -> web.Response | None:
 
 
 def redacted_config(config) -> dict:
-    """The config as a dict with every key and credential replaced by ``***``."""
-    data = config.model_dump(mode="json")
-    for section in ("upstream", "admin"):
-        if data[section].get("api_key"):
-            data[section]["api_key"] = REDACTED
-    for pool in data.get("pools") or ():
-        for engine in pool["engines"]:
-            if engine.get("api_key"):
-                engine["api_key"] = REDACTED
+    """The config as a dict with every key and credential replaced by ``***``: the value
+    of every key named in :data:`proxy.config.SECRET_FIELDS`, wherever it is, and the
+    ``user:password@`` of ``shared_state.url``."""
+    data = _redacted(config.model_dump(mode="json"))
     shared = data.get("shared_state")
     if shared and "@" in shared["url"]:  # redis://user:password@host
         scheme, _, rest = shared["url"].partition("://")
         shared["url"] = f"{scheme}://{REDACTED}@{rest.rpartition('@')[2]}"
-    for g in data["groups"]:
-        for u in g["users"]:
-            if u.get("api_key"):
-                u["api_key"] = REDACTED
-            if u.get("api_key_sha256"):
-                u["api_key_sha256"] = REDACTED
     return data
+
+
+def _redacted(value):
+    if isinstance(value, dict):
+        return {k: REDACTED if k in SECRET_FIELDS and v else _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
 
 
 STATUS_TOP_USERS = 20  # users listed by /admin/status unless ?top= says otherwise

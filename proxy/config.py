@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -402,19 +403,73 @@ def with_upstream_urls(config: Config, urls: str | list[str] | None) -> Config:
 
 
 class ConfigError(Exception):
-    """A config file that cannot be used; the message names the file, key path and value."""
+    """A config file that cannot be used; the message names the file, key path and value
+    (a secret's value never: only its type, see :data:`SECRET_FIELDS`)."""
+
+
+#: Config keys whose values are secrets: ``/admin/config`` shows them as ``***``
+#: (:func:`proxy.admin.redacted_config`) and no config error message quotes their value.
+SECRET_FIELDS = frozenset({"api_key", "api_key_sha256", "password"})
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")  # the user:password@ of a URL
+
+
+def _a(value: object) -> str:
+    """``value``'s type, as a config error names it ("a list", "an int")."""
+    name = {dict: "mapping", list: "list", str: "string", bool: "boolean", int: "int", float: "float"}.get(type(value), type(value).__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def _shown(loc: tuple, value: object, err_type: str) -> str | None:
+    """What a config error says it got, never a secret: only the type of a value under
+    a secret key (:data:`SECRET_FIELDS`), of a list or mapping (it may hold one), or of
+    a string under an unknown key (a misspelt ``api_key``); a URL's ``user:password@``
+    as ``***@``. ``None``: nothing worth saying (a validator's verdict on a section)."""
+    if any(p in SECRET_FIELDS for p in loc if isinstance(p, str)):
+        return _a(value)
+    if isinstance(value, dict):
+        return None if err_type in ("value_error", "assertion_error") else _a(value)
+    if isinstance(value, (list, tuple, set)):
+        return _a(value)
+    if isinstance(value, str):
+        if err_type == "extra_forbidden":
+            return _a(value)
+        if loc and loc[-1] == "url" and "@" in value:  # redis//user:password@host: no "://" to go by
+            head, _, host = value.rpartition("@")
+            value = (head.partition("://")[0] + "://" if "://" in head else "") + "***@" + host
+        shown = repr(_USERINFO.sub("***@", value))
+    else:
+        shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def _format_validation(path: str, err: ValidationError) -> str:
     lines = [f"{path}: {err.error_count()} error(s)"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        value = e.get("input")
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        lines.append(f"  {loc}: {e['msg']} (got {shown})")
+        shown = _shown(tuple(e["loc"]), e.get("input"), e["type"])
+        lines.append(f"  {loc}: {e['msg']}" + (f" (got {shown})" if shown is not None else ""))
     return "\n".join(lines)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error's problem and where (line, column), without the snippet of the file
+    PyYAML quotes, which may hold a secret (``api_key: "sk-...`` with its quote unclosed)."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return str(err)
+
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    problem = err.problem or "invalid YAML"
+    where = at(err.problem_mark)
+    text = f"{problem} at {where}" if where else problem
+    if err.context:
+        ctx_at = at(err.context_mark)
+        text += f" ({err.context} started at {ctx_at})" if ctx_at and ctx_at != where else f" ({err.context})"
+    if err.note:
+        text += f"; {err.note}"
+    return text
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -442,7 +497,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         raise ConfigError(f"{source}: the file is empty")
     if not isinstance(data, dict):

@@ -389,3 +389,87 @@ async def test_undoing_a_bad_edit_logs_that_the_config_is_valid_again(make_stack
         assert reload_config(st.state) is True  # unchanged and still valid: no second line
     lines = [r.getMessage() for r in caplog.records if "valid again" in r.getMessage()]
     assert len(lines) == 1 and "it is the active config" in lines[0]
+
+
+# ------------------------------------------------------ secrets in config errors
+
+# a user's key in a file an operator broke: a quote left open (YAML syntax error, PyYAML
+# quotes the line), a list where a string goes (pydantic's error carries the input)
+_BROKEN_WITH_SECRETS = {
+    "syntax": ('    api_key: "sk-alice-SECRET}\n', "sk-alice-SECRET", "line 7"),
+    "wrong-type": ("    api_key: [sk-bob-SECRET2]\n", "sk-bob-SECRET2", "groups.0.users.0.api_key"),
+    "misspelt-key": ("    api_kye: sk-carl-SECRET3\n", "sk-carl-SECRET3", "groups.0.users.0.api_kye"),
+    "int-key": ("    api_key: 987654321\n", "987654321", "groups.0.users.0.api_key"),
+}
+
+
+def _broken_text(line: str) -> str:
+    return "default_group: bronze\ngroups:\n- name: bronze\n  users:\n  - id: carl\n    weight: 1\n" + line + "  - id: dora\n"
+
+
+@pytest.mark.parametrize("line,secret,where", _BROKEN_WITH_SECRETS.values(), ids=_BROKEN_WITH_SECRETS.keys())
+def test_config_errors_never_quote_a_secret(line, secret, where):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_broken_text(line), "c.yaml")
+    msg = str(e.value)
+    assert secret not in msg and where in msg, msg
+
+
+def test_config_errors_still_quote_plain_values_and_hide_url_passwords():
+    cfg = base_config("ftp://user:pw-SECRET4@host:1")
+    cfg["groups"][0]["users"][0]["weight"] = "heavy"
+    cfg["shared_state"] = {"url": "redis//:pw-SECRET5@redis:6379"}
+    with pytest.raises(ConfigError) as e:
+        parse_config(yaml.safe_dump(cfg))
+    msg = str(e.value)
+    assert "'heavy'" in msg and "'ftp://***@host:1'" in msg and "'***@redis:6379'" in msg and "SECRET" not in msg, msg
+    with pytest.raises(ConfigError) as e:
+        parse_config("default_group: b\ngroups: [{name: b, users: {id: x, api_key: sk-SECRET6}}]\n")
+    assert "groups.0.users: Input should be a valid list (got a mapping)" in str(e.value) and "SECRET" not in str(e.value)
+
+
+@pytest.mark.parametrize("line,secret,where", _BROKEN_WITH_SECRETS.values(), ids=_BROKEN_WITH_SECRETS.keys())
+async def test_a_broken_reload_logs_and_shows_no_secret(make_stack, http, monkeypatch, caplog, line, secret, where):
+    """The reload path end to end: the ERROR line and ``/admin/config``'s ``last_error``
+    name the place (line, or key path) but not the key."""
+    st = await make_stack()
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-secret")
+    st.config_path.write_text(_broken_text(line))
+    with caplog.at_level("INFO", logger="llm_qos.config"):
+        assert reload_config(st.state) is False
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "llm_qos.config")
+    assert "config reload failed" in logged and where in logged and secret not in logged, logged
+    async with http.get(st.proxy_url + "/admin/config", headers={"Authorization": "Bearer adm-secret"}) as r:
+        body = await r.json()
+    assert where in body["last_error"] and secret not in str(body), body["last_error"]
+
+
+def test_admin_reload_and_check_config_in_processes_show_no_secret(tmp_path):
+    """``POST /admin/reload`` in a real proxy process (its stderr log, the 400's message,
+    ``/admin/config``) and ``llm-qos check-config``'s output: no key, the line and the path."""
+    from tests.engine_fixture import free_port
+    from tests.proxy_process import start_proxy, stop_proxy
+
+    path = tmp_path / "config.yaml"
+    cfg = base_config("http://127.0.0.1:9")
+    cfg["admin"] = {"api_key": "adm-1"}
+    _write(path, cfg)
+    port = free_port()
+    proc = start_proxy(path, port, extra_args=["--no-watch"])
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer adm-1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        for line, secret, where in _BROKEN_WITH_SECRETS.values():
+            path.write_text(_broken_text(line))
+            status, body = _get_json(url + "/admin/reload", auth, method="POST")
+            assert status == 400 and where in body["error"]["message"] and secret not in str(body)
+            _, now = _get_json(url + "/admin/config", auth)
+            assert where in now["last_error"] and secret not in str(now)
+            ko = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(path)], capture_output=True, text=True, env=env, timeout=60)
+            assert ko.returncode == 1 and where in ko.stderr and secret not in ko.stdout + ko.stderr, ko.stderr
+        log = _wait_for_log(proc, "groups.0.users.0.api_kye")
+        assert log.count("config reload failed") == len(_BROKEN_WITH_SECRETS)
+        assert not [s for _, s, _ in _BROKEN_WITH_SECRETS.values() if s in log], log[-3000:]
+    finally:
+        assert stop_proxy(proc) == 0
