@@ -327,10 +327,12 @@ def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedReque
     """Apply a group's ``max_tokens`` cap (tokens) to a parsed request.
 
     A request asking for more than ``cap`` (or naming no limit, which would let the
-    upstream use its own, possibly huge, default) is rewritten to ask for ``cap``: the
-    body is re-serialized with the cap in the field the client used (``max_tokens``,
-    ``max_completion_tokens``, or LightLLM's ``parameters.max_new_tokens``). Requests
-    within the cap pass untouched, bytes and all.
+    upstream use its own, possibly huge, default) is rewritten: the body is
+    re-serialized with each limit field the client set (``max_tokens``,
+    ``max_completion_tokens``, or LightLLM's ``parameters.max_new_tokens``) lowered to
+    at most ``cap`` (a smaller one stays as it is), or, when it set none, with ``cap`` in
+    ``max_tokens`` (``max_new_tokens``); the reservation is the largest of them.
+    Requests within the cap pass untouched, bytes and all.
 
     Raises:
         BadRequest: ``reject`` is true and the request explicitly asked for more.
@@ -348,5 +350,6 @@ def cap_max_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedReque
     if reject and over:
         raise BadRequest(f"{over[0]!r} must be at most {cap} for your group, got {target[over[0]]}", over[0])
     for k in keys:
-        target[k] = cap
-    return ParsedRequest(orjson.dumps(fields), parsed.stream, cap, parsed.prompt_tokens, fields, parsed.choices)
+        v = target.get(k)
+        target[k] = min(v, cap) if isinstance(v, int) and not isinstance(v, bool) else cap
+    return ParsedRequest(orjson.dumps(fields), parsed.stream, max(target[k] for k in keys), parsed.prompt_tokens, fields, parsed.choices)

@@ -11,6 +11,7 @@ from proxy.request_body import (
     MESSAGE_OVERHEAD_TOKENS,
     BadRequest,
     DefaultPromptCosts,
+    cap_max_tokens,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -164,3 +165,44 @@ def test_native_generate_counts_multimodal_images():
     for mm in ({"images": "x"}, "x", None, {}):
         b = {"inputs": "x" * 40, "parameters": {}, "multimodal_params": mm}
         assert parse_generate(orjson.dumps(b), False, costs).prompt_tokens == 10
+
+
+# ------------------------------------------------------------- a group's max_tokens cap
+
+
+def _capped(body: dict, cap: int = 64, reject: bool = False):
+    p = cap_max_tokens(parse_chat(chat(**body)), cap, reject)
+    return p, orjson.loads(p.body)
+
+
+def test_a_group_cap_never_raises_a_smaller_limit():
+    """bob's group caps at 64: his max_tokens 3 beside max_completion_tokens 1000 stays
+    3 (the other is lowered to 64), and the reservation is the larger that is left, 64;
+    never 64 in both, which had an engine that reads max_tokens generate 64, not 3."""
+    p, sent = _capped({"max_tokens": 3, "max_completion_tokens": 1000})
+    assert (sent["max_tokens"], sent["max_completion_tokens"], p.max_tokens) == (3, 64, 64)
+    p, sent = _capped({"max_completion_tokens": 5, "max_tokens": 1000})
+    assert (sent["max_tokens"], sent["max_completion_tokens"], p.max_tokens) == (64, 5, 64)
+    p, sent = _capped({"max_tokens": 1000})
+    assert (sent["max_tokens"], p.max_tokens) == (64, 64) and "max_completion_tokens" not in sent
+    p, sent = _capped({"max_completion_tokens": 1000, "max_tokens": None})
+    assert (sent["max_completion_tokens"], sent["max_tokens"], p.max_tokens) == (64, None, 64)
+    # no limit named: the cap, in max_tokens
+    p, sent = _capped({})
+    assert (sent["max_tokens"], p.max_tokens) == (64, 64) and "max_completion_tokens" not in sent
+    # within the cap: untouched, bytes and all
+    within = parse_chat(chat(max_tokens=3, max_completion_tokens=64))
+    assert cap_max_tokens(within, 64, False) is within
+    with pytest.raises(BadRequest) as e:
+        _capped({"max_tokens": 3, "max_completion_tokens": 1000}, reject=True)
+    assert e.value.param == "max_completion_tokens"
+
+
+def test_a_group_cap_on_native_generate_lowers_max_new_tokens_only_when_above():
+    def capped(params: dict):
+        p = cap_max_tokens(parse_generate(orjson.dumps({"inputs": "x", "parameters": params}), False), 64, False)
+        return p.max_tokens, orjson.loads(p.body)["parameters"]
+
+    assert capped({"max_new_tokens": 1000, "do_sample": True}) == (64, {"max_new_tokens": 64, "do_sample": True})
+    assert capped({}) == (64, {"max_new_tokens": 64})
+    assert capped({"max_new_tokens": 3})[0] == 3
