@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 from qos.rate_limit import RateLimiter
 
+from .errors import retry_after_seconds
 from .pool_config import PoolSpec
 from .router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit
@@ -61,7 +62,7 @@ class NoEngine(Refused):
     """
 
     def __init__(self, pool: str, retry_after_s: float) -> None:
-        super().__init__(RefusalReason.NO_ENGINE, retry_after_s, f"no engine of pool {pool!r} is healthy now; retry after {retry_after_s:.0f} s")
+        super().__init__(RefusalReason.NO_ENGINE, retry_after_s, f"no engine of pool {pool!r} is healthy now; retry after {retry_after_seconds(retry_after_s)} s")
         self.pool = pool
 
 

@@ -34,6 +34,12 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return orjson.dumps({"error": error})
 
 
+def retry_after_seconds(retry_after_s: float) -> int:
+    """The whole seconds ``Retry-After`` says for a wait of ``retry_after_s``: rounded
+    up, at least 1. A message that states the wait uses it too, to agree with the header."""
+    return max(1, math.ceil(retry_after_s))
+
+
 def error_response(
     status: int,
     message: str,
@@ -54,7 +60,7 @@ def error_response(
     """
     headers = {}
     if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+        headers["Retry-After"] = str(retry_after_seconds(retry_after_s))
     return web.Response(
         status=status,
         body=error_body(status, message, code, param, extra),

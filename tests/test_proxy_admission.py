@@ -121,3 +121,33 @@ async def test_rate_limit_429_says_whether_the_user_or_the_group_limit_tripped(m
     assert status == 429 and (err["code"], err["scope"], err["limit"]) == ("rate_limited", "group", "tokens_per_minute")
     assert "group 'bronze'" in err["message"]
     assert set(err) == {"message", "type", "param", "code", "scope", "limit"}
+
+
+def test_no_engine_message_states_the_seconds_retry_after_says():
+    """``retry after N s`` in the 503's message is the ``Retry-After`` header's N: both
+    round up (a wait of 1.3 s said "1 s" beside ``Retry-After: 2``)."""
+    import re
+
+    from proxy.admission import NoEngine
+    from proxy.errors import error_response
+
+    for wait in (0.2, 1.0, 1.3, 1.5, 1.99, 2.01, 29.4):
+        r = NoEngine("p", wait)
+        header = error_response(503, r.detail, retry_after_s=r.retry_after_s).headers["Retry-After"]
+        assert re.search(r"retry after (\d+) s", r.detail).group(1) == header, (wait, r.detail, header)
+
+
+async def test_no_healthy_engine_503_agrees_with_its_retry_after(make_stack, http):
+    import re
+
+    st = await make_stack()
+    (pool,) = st.state.admission.all_pools()
+    (engine,) = pool.router.engines.values()
+    for _ in range(engine.health.config.checks_to_eject):
+        engine.health.record_check(False, "refused")
+    assert not engine.in_rotation
+    # probed in 1.3 s (not a whole number: the message said 1 s beside Retry-After: 2)
+    engine.health.ejected_until += 1.3 - engine.health.retry_after_s()
+    status, headers, body = await _post(http, st.proxy_url, st.chat_body(1))
+    assert status == 503 and body["error"]["code"] == "no_healthy_engine"
+    assert re.search(r"retry after (\d+) s", body["error"]["message"]).group(1) == headers["Retry-After"], (body, headers)
