@@ -135,13 +135,14 @@ def _sse(seq: int, kind: str, **payload) -> bytes:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/responses``: ``max_output_tokens`` (default 16) tokens ``" t0" " t1" ...``."""
+    """``POST /v1/responses``: ``max_output_tokens`` (default 16, at most
+    :data:`bench.fake_upstream.MAX_TOKENS`) tokens ``" t0" " t1" ...``."""
     stats, timing, script = request.app[STATS], request.app[TIMING], request.app[SCRIPT]
     body = orjson.loads(await request.read())
     fake = body.get("fake") or {}
     if "status" in fake:
         return web.json_response({"error": {"message": "fake failure", "type": "server_error"}}, status=fake["status"])
-    n = int(body.get("max_output_tokens") or 16)
+    n = min(int(body.get("max_output_tokens") or 16), fake_upstream.MAX_TOKENS)
     ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", timing.itl_s))
     fail_after = fake.get("fail_after")
     status = "incomplete" if fake.get("incomplete") else "completed"

@@ -302,3 +302,29 @@ async def test_the_openai_sdk_reads_our_terminal_error_event(aiohttp_server):
     s.feed_event(responses_error_event("m", "c", 9).strip())
     assert s.finished and s.status == "error"
     await client.close()
+
+
+async def test_the_test_engines_answer_an_absurd_token_count_with_a_bounded_one(engine, http):
+    """``max_output_tokens`` / ``max_tokens`` far above ``MAX_TOKENS`` sent to the
+    scripted engine (and :mod:`bench.fake_upstream`, whose chat and completions it
+    serves) is answered with ``MAX_TOKENS`` tokens: asked for 2**62, it built the whole
+    text (8 GB and counting). 10 x ``MAX_TOKENS`` here, so that a regression fails
+    instead of hanging the test process, in-process as the engine is."""
+    from bench.fake_upstream import MAX_TOKENS
+
+    big = 10 * MAX_TOKENS
+    for stream in (False, True):
+        async with http.post(engine + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": big, "stream": stream}, timeout=aiohttp.ClientTimeout(total=20)) as r:
+            raw = await r.read()
+        if stream:
+            last = orjson.loads(raw.rstrip().rsplit(b"\ndata: ", 1)[1])["response"]
+        else:
+            last = orjson.loads(raw)
+        assert last["usage"]["output_tokens"] == MAX_TOKENS and last["output"][0]["content"][0]["text"].endswith(f" t{MAX_TOKENS - 1}")
+    for path, field in (("/v1/chat/completions", "max_tokens"), ("/v1/completions", "max_completion_tokens")):
+        for stream in (False, True):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", field: big, "stream": stream}
+            async with http.post(engine + path, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+                raw = await r.read()
+            usage = [orjson.loads(line[6:]).get("usage") for line in raw.split(b"\n") if line.startswith(b"data: {")][-1] if stream else orjson.loads(raw)["usage"]
+            assert usage["completion_tokens"] == MAX_TOKENS, (path, stream, usage)
