@@ -1,7 +1,8 @@
 """A fast fake OpenAI-compatible upstream with a fixed token rate, for tests and benchmarks.
 
 It answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not)
-with ``max_tokens`` tokens (default 16, at most :data:`MAX_TOKENS`), after ``ttft_s`` seconds for the first token and
+with ``max_tokens`` tokens (default 16; a non-streaming answer, built whole, at most
+:data:`MAX_TOKENS`; a stream, written a token at a time, as many as asked), after ``ttft_s`` seconds for the first token and
 ``itl_s`` between tokens. A stream's last token chunk carries ``usage`` (as transformers
 serve sends it) unless the request asks ``stream_options.include_usage``: then, as vLLM
 and OpenAI, a separate last chunk with ``choices: []`` carries it. Per-request overrides ride in the body (the proxy forwards the
@@ -31,7 +32,10 @@ import orjson
 from aiohttp import web
 
 MODEL = "fake-model"
-MAX_TOKENS = 4096  # the most tokens one answer has, whatever it asks for (max_tokens 2**62 must not build a 2**62-token text)
+# the most tokens of an answer built whole, whatever it asks for (max_tokens 2**62 must
+# not build a 2**62-token text); a stream holds one token at a time and ends when its
+# client goes, so it keeps the count asked (tests drop clients of endless streams)
+MAX_TOKENS = 4096
 
 
 @dataclass
@@ -91,7 +95,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             f"{prompt + n} tokens ({prompt} in the messages, {n} in the completion)."
         )
         return web.json_response({"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}, status=400)
-    n = min(n, MAX_TOKENS)
+    if not body.get("stream"):
+        n = min(n, MAX_TOKENS)
     ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", timing.itl_s))
     fail_after = fake.get("fail_after")
     created = int(time.time())

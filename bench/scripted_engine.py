@@ -136,7 +136,8 @@ def _sse(seq: int, kind: str, **payload) -> bytes:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``: ``max_output_tokens`` (default 16, at most
-    :data:`bench.fake_upstream.MAX_TOKENS`) tokens ``" t0" " t1" ...``."""
+    :data:`bench.fake_upstream.MAX_TOKENS`, streamed or not: a stream's last events
+    carry the whole text) tokens ``" t0" " t1" ...``."""
     stats, timing, script = request.app[STATS], request.app[TIMING], request.app[SCRIPT]
     body = orjson.loads(await request.read())
     fake = body.get("fake") or {}
