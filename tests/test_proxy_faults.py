@@ -278,3 +278,40 @@ async def test_cap_rejection_names_the_field_over_the_cap(make_stack, http):
     async with http.post(st.proxy_url + CHAT, json=body) as r:
         err = (await r.json())["error"]
     assert r.status == 400 and err["param"] == "max_completion_tokens" and "500" in err["message"]
+
+
+def _raw_post(port: int, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    """One request on a fresh socket (``Connection: close``); the whole answer."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "x", "Connection": "close", "Content-Length": str(len(body)), **headers}.items())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode() + body)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_body_that_cannot_be_decoded_is_a_400_and_one_log_line(tmp_path):
+    """A gzip body that is not gzip: 400 ``invalid_body`` (JSON), and one log line, not
+    aiohttp's 36-line "Unhandled exception" traceback of its read of the rest of the body.
+    ``br`` / ``zstd`` without their optional packages: aiohttp's parser refuses the
+    request before the application sees it (a text/plain 400 the proxy cannot reach),
+    logged in one line as any malformed request."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base_config("http://127.0.0.1:9")))
+    port = free_port()
+    proc = start_proxy(path, port)
+    try:
+        bad_gzip = _raw_post(port, CHAT, {"Content-Type": "application/json", "Content-Encoding": "gzip"}, b"not gzip at all, sk-carl")
+        status, _, body = bad_gzip.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_body", bad_gzip
+        for enc in ("br", "zstd"):
+            answer = _raw_post(port, CHAT, {"Content-Type": "application/json", "Content-Encoding": enc}, b"\x8b\x02\x80{}\x03")
+            assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer
+        assert _raw_post(port, CHAT, {"Content-Type": "application/json"}, json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).encode()).startswith(b"HTTP/1.1 502")  # still serving
+    finally:
+        stop_proxy(proc)
+    log = proc.log_path.read_text()
+    assert "Traceback" not in log and "Unhandled exception" not in log and "sk-carl" not in log, log[-3000:]
+    assert log.count("request body could not be read (RequestPayloadError: ContentEncodingError)") == 1, log[-3000:]
+    assert log.count("malformed request refused (ContentEncodingError, status 400)") == 2, log[-3000:]
