@@ -16,6 +16,20 @@ The rule (``pools[].health``, :class:`proxy.pool_config.HealthConfig`):
   a success here, and so is any other error the engine reports in its answer (an
   in-band error event with code 400, LightLLM's "prompt too long" event, a JSON 200
   error body): the engine answered, and one client's bad requests must not eject it.
+  So are a ``501 Not Implemented`` and a ``505 HTTP Version Not Supported``
+  (:data:`NOT_FAILURE_STATUSES`): the engine says the request's route or version is
+  one it does not serve, which any client can ask for.
+* **The floor.** Failed requests are what a client can cause: one user whose requests
+  make every engine answer 5xx would otherwise eject every engine of the pool, a denial
+  of service for all. So a passive ejection is refused when it would leave more than
+  ``max_ejection_percent`` (50) of the pool's engines ejected, and at least one engine
+  always stays in rotation against passive ejections (:func:`max_passive_ejections`:
+  of 1 engine none, of 2 at most 1, of 3 at most 1, of 4 at most 2), as Envoy's outlier
+  detection does (``max_ejection_percent``). The pool decides (it knows how many of its
+  engines are out: :meth:`proxy.router.PoolRouter.report`); a refused ejection is
+  counted (``ejections_refused``) and logged once per episode (until the engine answers
+  a request well, or is ejected). Active checks are not held back: a failing check path
+  is the engine's own state, no client's doing, and may take every engine out.
 * **Active.** Every ``check_interval_s`` (5 s; 0: never) an engine in rotation gets a
   ``GET check_path`` (``/token_load`` for LightLLM, ``/v1/models`` for OpenAI-style
   engines); a non-2xx answer, a connection error or no answer within
@@ -43,6 +57,7 @@ import enum
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -55,6 +70,35 @@ log = logging.getLogger("llm_qos.engine_health")
 
 #: Why a request counted as failed (a bounded label set for metrics).
 FAILURE_REASONS = ("connect", "reset", "timeout", "http_5xx", "stream_cut")
+
+#: 5xx statuses that are not engine failures: ``501 Not Implemented`` and ``505 HTTP
+#: Version Not Supported`` say the request asked for what the engine does not serve (a
+#: route, a method, a version): the engine answered, as with a 4xx.
+NOT_FAILURE_STATUSES = frozenset({501, 505})
+
+_STATUS_IN_DETAIL = re.compile(r"(?<!\d)(5\d\d)(?!\d)")
+
+
+def max_passive_ejections(engines: int, percent: int) -> int:
+    """How many of a pool's ``engines`` (in rotation or ejected; draining ones aside) may
+    be ejected at once when the next ejection is a passive one: ``percent`` of them,
+    rounded down but at least 1 when ``percent > 0`` (Envoy's rule), and never all: at
+    least one engine stays in rotation. 1 engine: 0; 2: 1; 3: 1 (at 50 %); 4: 2; 10: 5."""
+    if engines <= 1 or percent <= 0:
+        return 0
+    return min(engines - 1, max(1, engines * percent // 100))
+
+
+def answered_status(reason: str | None, detail: str, status: int | None = None) -> int | None:
+    """The HTTP status an ``http_5xx`` failure names: ``status`` when given, else the
+    first 5xx number in ``detail`` (the relay's "answered 501", "reported a 505 error in
+    its answer"); ``None`` for other reasons or when none is named."""
+    if reason != "http_5xx":
+        return None
+    if status is not None:
+        return status
+    m = _STATUS_IN_DETAIL.search(detail or "")
+    return int(m.group(1)) if m else None
 
 
 class Health(enum.Enum):
@@ -91,6 +135,10 @@ class EngineHealth:
         streak: ejections in a row (sets the next backoff).
         ejected_until: clock reading at which an ejected engine is probed, else ``None``.
         ejections: ejections since start (a metric).
+        ejections_refused: passive ejections refused since start because the pool was at
+            its floor (``max_ejection_percent``; a metric).
+        ejection_held: a passive ejection is being refused now (an episode: from the
+            first refusal until a request succeeds or the engine is ejected).
         failures: failed requests by reason (:data:`FAILURE_REASONS`), since start.
         checks: checks and probes by result (``ok``, ``failed``), since start.
         last_error: a short description of the last failure, for status pages.
@@ -113,6 +161,8 @@ class EngineHealth:
         self.readmitted_at = -math.inf
         self.last_check_at = clock()
         self.ejections = 0
+        self.ejections_refused = 0
+        self.ejection_held = False
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)
         self.checks = {"ok": 0, "failed": 0}
         self.last_error: str | None = None
@@ -136,15 +186,32 @@ class EngineHealth:
         self.ejected_until = None
         self.readmitted_at = -math.inf
         self.last_error = None
+        self.ejection_held = False
         self._changed()
 
-    def record_request(self, ok: bool, reason: str | None = None, detail: str = "") -> bool:
+    def record_request(
+        self,
+        ok: bool,
+        reason: str | None = None,
+        detail: str = "",
+        *,
+        status: int | None = None,
+        may_eject: bool | Callable[[], bool] = True,
+    ) -> bool:
         """Report the result of one request sent to the engine.
 
         Args:
             ok: it got an answer that is not a 5xx (a 4xx counts as ok).
             reason: for a failure, one of :data:`FAILURE_REASONS`.
             detail: a short description for status pages.
+            status: for an ``http_5xx`` failure, the status the engine answered (or named
+                in its answer); when not given, the first 5xx number in ``detail``. One of
+                :data:`NOT_FAILURE_STATUSES` makes the report a success.
+            may_eject: whether this failure may eject the engine if it is the
+                ``failures_to_eject``-th in a row (asked only then, when a callable): the
+                pool's floor (:meth:`proxy.router.PoolRouter.report`). Refused, the
+                engine stays in rotation; the refusal is counted and logged once per
+                episode.
 
         Returns:
             True when this failure ejected the engine.
@@ -152,8 +219,11 @@ class EngineHealth:
         Raises:
             ValueError: ``ok`` is false and ``reason`` is not a known reason.
         """
+        if not ok and answered_status(reason, detail, status) in NOT_FAILURE_STATUSES:
+            ok = True  # the engine answered that it does not serve this: not its failure
         if ok:
             self.request_failures = 0
+            self.ejection_held = False
             return False
         if reason not in self.failures:
             raise ValueError(f"unknown failure reason {reason!r}; one of {FAILURE_REASONS}")
@@ -163,6 +233,21 @@ class EngineHealth:
             return False  # requests that were in flight when it was ejected
         self.request_failures += 1
         if self.request_failures >= self.config.failures_to_eject:
+            allowed = may_eject() if callable(may_eject) else may_eject
+            if not allowed:
+                self.ejections_refused += 1
+                if not self.ejection_held:
+                    self.ejection_held = True
+                    log.warning(
+                        "engine %s kept in rotation: %d failed requests in a row (the last %s), but its pool is at its floor "
+                        "(health.max_ejection_percent %d%%; at least one engine stays in rotation against failed requests); "
+                        "counted in llm_qos_engine_ejections_refused_total, logged once until it answers a request or is ejected",
+                        self.name,
+                        self.request_failures,
+                        self.last_error,
+                        self.config.max_ejection_percent,
+                    )
+                return False
             self._eject(f"{self.request_failures} failed requests in a row, the last {self.last_error}")
             return True
         return False
@@ -228,6 +313,7 @@ class EngineHealth:
         b = self.backoff_s(self.streak)
         wait = b / 2 + self._rng() * b / 2
         self.state = Health.EJECTED
+        self.ejection_held = False
         self.ejected_until = now + wait
         if not again:  # a failed probe keeps it out; it was not in rotation to leave
             self.ejections += 1

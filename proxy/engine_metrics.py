@@ -17,6 +17,8 @@ and ``engine`` take configured names (an engine's ``name``, else its URL), ``sta
   :mod:`proxy.router`).
 * ``llm_qos_engine_routed_requests_total``: requests placed on it.
 * ``llm_qos_engine_ejections_total``: times it was taken out of rotation.
+* ``llm_qos_engine_ejections_refused_total``: passive ejections (failed requests)
+  refused because the pool was at its floor (``health.max_ejection_percent``).
 * ``llm_qos_engine_failures_total{reason}``: failed requests, by
   :data:`proxy.engine_health.FAILURE_REASONS`.
 * ``llm_qos_engine_health_checks_total{result}``: checks and probes, ``ok`` / ``failed``.
@@ -56,6 +58,11 @@ class EngineCollector(Collector):
         headroom = GaugeMetricFamily("llm_qos_engine_headroom", "Fraction of the engine still free (requests, tokens and load; the router's measure).", labels=labels)
         routed = CounterMetricFamily("llm_qos_engine_routed_requests", "Requests placed on the engine.", labels=labels)
         ejections = CounterMetricFamily("llm_qos_engine_ejections", "Times the engine was taken out of rotation by its health.", labels=labels)
+        refused = CounterMetricFamily(
+            "llm_qos_engine_ejections_refused",
+            "Ejections by failed requests refused because the pool was at its floor (health.max_ejection_percent; one engine always stays in rotation).",
+            labels=labels,
+        )
         failures = CounterMetricFamily("llm_qos_engine_failures", "Failed requests to the engine, by reason.", labels=[*labels, "reason"])
         checks = CounterMetricFamily("llm_qos_engine_health_checks", "Health checks and probes of the engine, by result.", labels=[*labels, "result"])
         for router in self._routers():
@@ -73,11 +80,12 @@ class EngineCollector(Collector):
                 headroom.add_metric(key, e.headroom(placed=0))
                 routed.add_metric(key, e.routed)
                 ejections.add_metric(key, e.health.ejections)
+                refused.add_metric(key, e.health.ejections_refused)
                 for reason, n in e.health.failures.items():
                     failures.add_metric([*key, reason], n)
                 for result, n in e.health.checks.items():
                     checks.add_metric([*key, result], n)
-        yield from (state, inflight, tokens, capacity, load, saturated, headroom, routed, ejections, failures, checks)
+        yield from (state, inflight, tokens, capacity, load, saturated, headroom, routed, ejections, refused, failures, checks)
 
 
 def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRouter]]) -> EngineCollector:

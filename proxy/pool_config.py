@@ -121,7 +121,15 @@ class HealthConfig(_Model):
     before any answer byte, no headers in time, a 5xx, a stream cut) that eject the engine.
     An error the engine reports in its answer (an in-band error event, a JSON error body)
     counts by the status it names: a 5xx fails, anything else is a success (the engine
-    answered, as with a 4xx).
+    answered, as with a 4xx). A 501 or 505 is a success too (the engine does not serve
+    that route or version: not a failure of the engine).
+    ``max_ejection_percent`` (50, 0..100): failed requests never leave more than this
+    share of the pool's engines ejected (rounded down, but at least one engine when above
+    0), and never all of them: at least one stays in rotation against failed requests
+    (a pool of 1 is never ejected by them, of 2 at most 1). Failed requests are what a
+    client can cause; without the floor one user's requests answered 5xx would eject every
+    engine for everyone. 0: failed requests eject nothing. Failed health checks are not
+    held to it (the engine's own state: they may take every engine out).
     ``checks_to_eject`` (2): consecutive failed health checks that eject it.
     ``eject_base_s`` (2) / ``eject_max_s`` (60): an ejected engine is probed after
     ``min(eject_max_s, eject_base_s * 2**(n-1))`` seconds for its n-th ejection in a row,
@@ -134,6 +142,7 @@ class HealthConfig(_Model):
     """
 
     failures_to_eject: int = Field(default=3, ge=1, le=1000)
+    max_ejection_percent: int = Field(default=50, ge=0, le=100)
     checks_to_eject: int = Field(default=2, ge=1, le=1000)
     eject_base_s: float = Field(default=2.0, gt=0, le=3600)
     eject_max_s: float = Field(default=60.0, gt=0, le=86400)

@@ -63,7 +63,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .engine_health import EngineHealth, Health
+from .engine_health import EngineHealth, Health, max_passive_ejections
 from .pool_config import EngineSpec, PoolSpec, RoutingConfig
 
 
@@ -210,7 +210,9 @@ class EngineState:
         ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
         ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
         ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
-        ``failures``, ``probe_in_s``, ``last_error``."""
+        ``ejections_refused`` (passive ejections the pool's floor refused),
+        ``ejection_held`` (one is being refused now), ``failures``, ``probe_in_s``,
+        ``last_error``."""
         h = self.health
         return {
             "name": self.name,
@@ -231,6 +233,8 @@ class EngineState:
             "weight": self.spec.weight,
             "routed": self.routed,
             "ejections": h.ejections,
+            "ejections_refused": h.ejections_refused,
+            "ejection_held": h.ejection_held,
             "failures": dict(h.failures),
             "probe_in_s": None if h.ejected_until is None else round(h.retry_after_s() or 0.0, 3),
             "last_error": h.last_error,
@@ -314,6 +318,7 @@ class PoolRouter:
 
     Attributes:
         name: the pool's name.
+        health: the pool's health settings (``max_ejection_percent``: the floor).
         engines: name -> :class:`EngineState`, config order, draining engines last.
         on_engine_removed: called with an engine that left the pool (removed by a reload
             and drained); phase 2 closes its connections and health task there.
@@ -334,6 +339,7 @@ class PoolRouter:
         self.affinity_of = affinity_of or (lambda _t: None)
         self.engines: dict[str, EngineState] = {}
         self.routing = pool.routing
+        self.health = pool.health
         self._placed: dict[Any, tuple[EngineState, int]] = {}
         self._turn = 0
         self.on_engine_removed: Callable[[EngineState], None] | None = None
@@ -347,6 +353,7 @@ class PoolRouter:
         and drain removed ones (no new requests; they leave when their last request is
         released). Nothing in flight is touched."""
         self.routing = pool.routing
+        self.health = pool.health
         new: dict[str, EngineState] = {}
         added, updated, reset = [], [], []
         for spec in pool.engines:
@@ -525,10 +532,24 @@ class PoolRouter:
 
     # --------------------------------------------------------------- health
 
-    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "") -> bool:
+    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "", *, status: int | None = None) -> bool:
         """Record the result of a request sent to ``engine`` (see
-        :meth:`proxy.engine_health.EngineHealth.record_request`); True if it ejected it."""
-        return engine.health.record_request(ok, reason, detail)
+        :meth:`proxy.engine_health.EngineHealth.record_request`; ``status``: the 5xx it
+        answered, when known); True if it ejected it. A failure ejects it only while the
+        pool stays above its floor (:meth:`may_eject_passively`)."""
+        return engine.health.record_request(ok, reason, detail, status=status, may_eject=lambda: self.may_eject_passively(engine))
+
+    def may_eject_passively(self, engine: EngineState) -> bool:
+        """Whether failed requests may eject ``engine`` now: after it, at most
+        :func:`proxy.engine_health.max_passive_ejections` of the pool's engines (draining
+        ones aside) are ejected, for whatever reason (``health.max_ejection_percent``; at
+        least one engine stays in rotation). A draining engine (out of rotation anyway),
+        or one no longer in the pool, may always be."""
+        if engine.draining or self.engines.get(engine.name) is not engine:
+            return True
+        counted = [e for e in self.engines.values() if not e.draining]
+        ejected = sum(1 for e in counted if e is not engine and not e.health.healthy)
+        return ejected + 1 <= max_passive_ejections(len(counted), self.health.max_ejection_percent)
 
     @property
     def available(self) -> bool:

@@ -83,3 +83,22 @@ def test_status_rows_carry_the_dashboards_engine_keys():
     row = engine_metrics.engines_status([r])[0]
     assert set(today) <= set(row), set(today) - set(row)
     assert (row["load"], row["waiting"], row["load_signal"]) == (0.4, 2, "ok")
+
+
+def test_refused_ejections_are_counted_per_engine_from_zero():
+    """``llm_qos_engine_ejections_refused_total`` exists at 0 for every engine from the
+    first scrape, and counts the passive ejections the pool's floor refused."""
+    routers = [PoolRouter(pool(eng(1), eng(2), health={"failures_to_eject": 1}), clock=Clock())]
+    reg = CollectorRegistry()
+    engine_metrics.register(reg, lambda: routers)
+    A = (("engine", "e1"), ("pool", "p"))
+    B = (("engine", "e2"), ("pool", "p"))
+    s = _samples(reg)
+    assert s[("llm_qos_engine_ejections_refused_total", A)] == 0 and s[("llm_qos_engine_ejections_refused_total", B)] == 0
+    a, b = routers[0].engines.values()
+    assert routers[0].report(a, False, "http_5xx", "answered 500")  # 1 of 2: allowed
+    for _ in range(3):
+        assert not routers[0].report(b, False, "http_5xx", "answered 500")  # the last in rotation: refused
+    s = _samples(reg)
+    assert s[("llm_qos_engine_ejections_refused_total", A)] == 0 and s[("llm_qos_engine_ejections_refused_total", B)] == 3
+    assert s[("llm_qos_engine_ejections_total", A)] == 1 and s[("llm_qos_engine_ejections_total", B)] == 0

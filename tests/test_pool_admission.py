@@ -58,12 +58,12 @@ async def test_one_pool_full_does_not_hold_another():
 
 
 async def test_no_engine_in_rotation_is_refused_at_once_and_queued_requests_wait_for_one_back():
-    adm = admission(config([pool("a", "a1", health={"failures_to_eject": 1, "eject_base_s": 5, "eject_max_s": 10})]))
+    adm = admission(config([pool("a", "a1", health={"checks_to_eject": 1, "eject_base_s": 5, "eject_max_s": 10})]))
     engine = adm.pools["a"].router.engines["a1"]
     held = await adm.acquire("carl", None, 5, 5, pool="a")
     queued = asyncio.create_task(adm.acquire("carl", None, 5, 5, pool="a"))
     await wait_until(lambda: adm.pools["a"].scheduler.queued == 1, what="queued")
-    adm.report(engine, False, "connect", "refused")  # ejected
+    engine.health.record_check(False, "refused")  # ejected by its check (failed requests never eject a pool's last engine)
     with pytest.raises(NoEngine) as e:
         await adm.acquire("carl", None, 5, 5, pool="a")
     assert e.value.reason is RefusalReason.NO_ENGINE and e.value.retry_after_s >= 1

@@ -371,6 +371,46 @@ async def test_zero_healthy_engines_answer_503_with_retry_after_at_once(engines,
     assert 'llm_qos_rejections_total{group="bronze",reason="no_healthy_engine"} 5.0' in text
 
 
+async def test_one_users_failing_requests_cannot_eject_every_engine(engines, proxies, tmp_path, http):
+    """The hostile-client trial: bob (bronze) sends bursts of requests that the engines
+    answer 500. With two engines and ``failures_to_eject: 2``, failed requests may eject
+    at most one (``max_ejection_percent`` 50, and never the last in rotation): alice
+    (platinum) is served 200, not ``503 no_healthy_engine``. The refusal is counted per
+    engine. Answers 501 (Not Implemented) are no failure at all."""
+    a, b = engines("a", "b")
+    health = {**FAST_HEALTH, "failures_to_eject": 2, "eject_base_s": 30, "eject_max_s": 60}  # no probe during the test
+    px = proxies(tmp_path, pools_config([{"name": "p", "models": ["m"], "engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}], "health": health}]))
+    unsupported = await asyncio.gather(*(post(http, px, chat("m", status=501), user="bob") for _ in range(6)))
+    assert [s for s, _e, _b in unsupported] == [501] * 6
+    rows = engine_rows(await px.status(http))
+    assert all(rows[n]["state"] == "healthy" and rows[n]["failures"]["http_5xx"] == 0 for n in ("a", "b")), rows
+    for _ in range(2):  # bursts of concurrent requests, then one at a time
+        burst = await asyncio.gather(*(post(http, px, chat("m", status=500), user="bob") for _ in range(8)))
+        assert all(s == 500 for s, _e, _b in burst), [(s, e, body[:200]) for s, e, body in burst]
+    for _ in range(4):
+        assert (await post(http, px, chat("m", status=500), user="bob"))[0] == 500
+    rows = engine_rows(await px.status(http))
+    states = sorted(rows[n]["state"] for n in ("a", "b"))
+    assert states == ["ejected", "healthy"], rows
+    (kept,) = [n for n in ("a", "b") if rows[n]["state"] == "healthy"]
+    assert rows[kept]["ejections_refused"] >= 1 and rows[kept]["ejection_held"] is True
+    async with http.post(px.url + "/v1/chat/completions", json=chat("m"), headers={"Authorization": "Bearer sk-alice"}) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers.get("X-Engine") == kept
+    rows = engine_rows(await px.status(http))
+    assert sum(rows[n]["state"] == "ejected" for n in ("a", "b")) <= 1 and rows[kept]["ejection_held"] is False  # alice's 200 ended the episode
+    async with http.get(px.url + "/metrics") as r:
+        text = await r.text()
+    refused = {
+        line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llm_qos_engine_ejections_refused_total{")
+    }
+    assert set(refused) == {"a", "b"} and refused[kept] >= 1 and refused[next(n for n in ("a", "b") if n != kept)] == 0
+    no_engine = [line for line in text.splitlines() if line.startswith("llm_qos_rejections_total{") and 'reason="no_healthy_engine"' in line]
+    assert no_engine and all(line.endswith(" 0.0") for line in no_engine), no_engine
+
+
 # ---------------------------------------------------------------------- reload
 
 

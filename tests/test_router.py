@@ -299,8 +299,8 @@ def test_a_reload_adds_updates_and_drains_engines():
 def test_a_changed_url_starts_its_health_over():
     r = router(eng(1, max_inflight=1))
     (e,) = r.engines.values()
-    for _ in range(3):
-        r.report(e, False, "connect")
+    for _ in range(2):
+        e.health.record_check(False, "refused")  # failed checks (the pool's floor holds only against requests)
     assert not e.in_rotation
     ch = r.reconfigure(pool({"url": "http://10.0.0.9:8000", "name": "e1"}))
     assert ch.reset == ("e1",) and e.in_rotation and e.health.ejections == 1
@@ -406,10 +406,11 @@ def test_on_change_fires_when_the_next_check_moves():
 
 def test_no_engine_in_rotation_gives_retry_after_until_the_first_probe():
     clock = Clock()
-    r = router(eng(1), eng(2), clock=clock, health={"failures_to_eject": 1, "eject_base_s": 8, "eject_max_s": 8}, rng=lambda: 0.0)
+    r = router(eng(1), eng(2), clock=clock, health={"checks_to_eject": 1, "eject_base_s": 8, "eject_max_s": 8}, rng=lambda: 0.0)
     a, b = r.engines.values()
     assert r.available
-    assert r.report(a, False, "connect") and r.report(b, False, "reset")
+    a.health.record_check(False, "refused")  # failed checks may eject every engine (failed requests may not)
+    b.health.record_check(False, "refused")
     assert not r.available and not r.fits(ticket()) and r.capacity == 0
     assert r.retry_after_s() == pytest.approx(4.0)  # b/2 with rng 0
     clock.t += 3.5
