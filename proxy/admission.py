@@ -389,13 +389,14 @@ class Admission:
         ticket.placement = engine
         return engine
 
-    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "") -> None:
+    def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "", *, status: int | None = None) -> None:
         """Record the result of a request sent to ``engine`` (see
-        :meth:`proxy.engine_health.EngineHealth.record_request`); nothing for the
-        single-``upstream`` form (:attr:`Pool.tracks_health`)."""
+        :meth:`proxy.engine_health.EngineHealth.record_request`; ``status``: the 5xx of
+        an ``http_5xx`` failure); nothing for the single-``upstream`` form
+        (:attr:`Pool.tracks_health`)."""
         pool = self.pool_of(engine)
         if pool is not None and pool.tracks_health:
-            pool.router.report(engine, ok, reason, detail)
+            pool.router.report(engine, ok, reason, detail, status=status)
 
     def engine_checked(self, engine: EngineState) -> None:
         """An engine's health check or probe ended: dispatch its pool if it is in rotation

@@ -76,7 +76,6 @@ FAILURE_REASONS = ("connect", "reset", "timeout", "http_5xx", "stream_cut")
 #: route, a method, a version): the engine answered, as with a 4xx.
 NOT_FAILURE_STATUSES = frozenset({501, 505})
 
-_STATUS_IN_DETAIL = re.compile(r"(?<!\d)(5\d\d)(?!\d)")
 
 
 def max_passive_ejections(engines: int, percent: int) -> int:
@@ -90,15 +89,9 @@ def max_passive_ejections(engines: int, percent: int) -> int:
 
 
 def answered_status(reason: str | None, detail: str, status: int | None = None) -> int | None:
-    """The HTTP status an ``http_5xx`` failure names: ``status`` when given, else the
-    first 5xx number in ``detail`` (the relay's "answered 501", "reported a 505 error in
-    its answer"); ``None`` for other reasons or when none is named."""
-    if reason != "http_5xx":
-        return None
-    if status is not None:
-        return status
-    m = _STATUS_IN_DETAIL.search(detail or "")
-    return int(m.group(1)) if m else None
+    """The HTTP status of an ``http_5xx`` failure (``status``, as the caller knows it);
+    ``None`` for other reasons or when not given. ``detail`` is not read."""
+    return status if reason == "http_5xx" else None
 
 
 class Health(enum.Enum):

@@ -268,9 +268,9 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             if kind.opaque:
                 admission.report(engine, not transfer_broke, "stream_cut", ex.detail)
             elif upstream.status >= 500:
-                admission.report(engine, False, "http_5xx", f"answered {upstream.status}")
+                admission.report(engine, False, "http_5xx", f"answered {upstream.status}", status=upstream.status)
             elif (ex.engine_error_status or 0) >= 500:
-                admission.report(engine, False, "http_5xx", f"reported a {ex.engine_error_status} error in its answer")
+                admission.report(engine, False, "http_5xx", f"reported a {ex.engine_error_status} error in its answer", status=ex.engine_error_status)
             elif ex.outcome == m.OUTCOME_UPSTREAM_ERROR and upstream.status < 400 and not ex.engine_error:
                 admission.report(engine, False, "stream_cut", ex.detail)
             else:

@@ -304,7 +304,7 @@ def test_failed_checks_may_still_eject_every_engine(n):
 
 @pytest.mark.parametrize(
     "detail, status",
-    [("answered 501", None), ("answered 505", None), ("reported a 501 error in its answer", None), ("", 501), ("answered 500", 505)],
+    [("answered 501", 501), ("answered 505", 505), ("reported a 501 error in its answer", 501), ("", 501)],
 )
 def test_a_501_or_505_is_not_an_engine_failure(detail, status):
     """Not Implemented / HTTP Version Not Supported: the engine answered that it does not
@@ -316,19 +316,20 @@ def test_a_501_or_505_is_not_an_engine_failure(detail, status):
         assert not r.report(a, False, "http_5xx", detail, status=status)
     assert a.in_rotation and a.health.failures["http_5xx"] == 0 and a.health.request_failures == 0
     h = EngineHealth(HealthConfig(failures_to_eject=2), "e")
-    h.record_request(False, "http_5xx", "answered 500")
+    h.record_request(False, "http_5xx", "answered 500", status=500)
     h.record_request(False, "http_5xx", detail, status=status)  # resets the count, like any answer
-    assert h.request_failures == 0 and not h.record_request(False, "http_5xx", "answered 502") and h.healthy
+    assert h.request_failures == 0 and not h.record_request(False, "http_5xx", "answered 502", status=502) and h.healthy
 
 
-@pytest.mark.parametrize("detail, status", [("answered 500", None), ("answered 502", None), ("reported a 503 error in its answer", None), ("", 504), ("", None)])
+@pytest.mark.parametrize("detail, status", [("answered 500", 500), ("answered 502", 502), ("reported a 503 error in its answer", 503), ("", 504), ("answered 501", None)])
 def test_other_5xx_still_fail(detail, status):
     r = _pure_router(2, failures_to_eject=1)
     a, _ = r.engines.values()
     assert r.report(a, False, "http_5xx", detail, status=status) and a.health.failures["http_5xx"] == 1
 
 
-def test_a_501_named_by_another_reason_is_not_read_as_a_status():
+def test_a_status_is_the_callers_never_read_from_the_detail():
     h = EngineHealth(HealthConfig(failures_to_eject=1), "e")
     assert h.record_request(False, "connect", "Cannot connect to host 10.0.0.1:501")  # a port, not an answer
-    assert answered_status("connect", "answered 501") is None and answered_status("http_5xx", "answered 501") == 501
+    assert answered_status("connect", "answered 501", 501) is None and answered_status("http_5xx", "answered 501") is None
+    assert answered_status("http_5xx", "", 501) == 501
