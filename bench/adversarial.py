@@ -19,6 +19,18 @@ user           weight  what it sends
 h-chat         1       short chat (prompt ~100, answer ~50, ``max_tokens`` 64), 32 at a time
 h-long         1       long answers (prompt ~300, answer ~1 000, ``max_tokens`` 1 536), 32 at a time
 h-mixed        2       half and half, no ``max_tokens``, 32 at a time
+h-late         1       short chat like h-chat, 32 at a time, from ``LATE_AT_S`` (65 s) on: a
+                       newcomer, lifted to the group's virtual time when it arrives
+=============  ======  ==========================================================
+
+The three first honest users send nothing new from 50 s to 65 s (``PAUSE_S``): their
+queues drain, only the gamers are left waiting, and at 65 s they come back, with h-late,
+lifted to the group's virtual time (where the gamers have left it: with the accounting
+before issue 10, an absurd ``max_tokens`` charged at dispatch put it near 1e19).
+
+=============  ======  ==========================================================
+user           weight  what it sends
+=============  ======  ==========================================================
 g-absurd       1       ``max_tokens`` 2**62: the engine refuses each with a 400 (2 loops)
 g-disconnect   1       ``max_tokens`` 30 000 streams, drops each after its first chunk (4 loops)
 g-tools        1       a 5 000-token prompt stuffed in ``tools``, streams without usage, a
@@ -27,11 +39,14 @@ churn          1 each  100 000 distinct identities (trusted ``X-User-Id``), one 
                        each (prompt "hi", one token), at most 64 outstanding
 =============  ======  ==========================================================
 
-Measured at the engine (weighted tokens: prompt x1 when prefilled, output x2 as generated):
+Measured at the engine (weighted tokens: prompt x1 when prefilled, output x2 as generated),
+while the honest users are backlogged (the pause left out):
 the honest users' shares of the honest users' tokens in every 30 s window against their
-weight shares (25 / 25 / 50 %), each gamer's share of gold's tokens against its weight
-share (1/7: one of seven users' weights), the churn's share of all tokens against its
-group's ``min_share`` (20 %), and the proxy's RSS through the churn.
+weight shares (25 / 25 / 50 %), the late user's share of all honest tokens from its
+arrival on against its weight share (1/5) and how long its first answer took, each
+gamer's share of gold's tokens (the late user's aside) against its weight share (1/7:
+one of seven users' weights), the churn's share of all tokens against its group's
+``min_share`` (20 %), and the proxy's RSS through the churn.
 """
 
 from __future__ import annotations
@@ -55,8 +70,11 @@ from . import _harness as h
 
 HONEST = {"h-chat": 1.0, "h-long": 1.0, "h-mixed": 2.0}
 GAMERS = {"g-absurd": 1.0, "g-disconnect": 1.0, "g-tools": 1.0}
+LATE, LATE_WEIGHT = "h-late", 1.0
+PAUSE_S = (50.0, 65.0)  # the first honest users send nothing new in this span (s after the start)
+LATE_AT_S = PAUSE_S[1]  # when the late user arrives, as the others come back
 CHURN = "churn"
-USERS = (*HONEST, *GAMERS, CHURN)
+USERS = (*HONEST, LATE, *GAMERS, CHURN)
 STEADY_WEIGHT = sum(HONEST.values()) + sum(GAMERS.values())  # 7
 GUESTS_MIN_SHARE = 0.2
 HONEST_WORKERS = 32  # closed loops per honest user: 96 in all, against 48 slots, so all stay backlogged
@@ -77,12 +95,14 @@ class Run:
     users_tracked: list[tuple[float, int]] = field(default_factory=list)
     churn_sent: int = 0
     duration_s: float = 0.0
+    late_at_s: float = LATE_AT_S
+    late_first_s: float = math.nan  # the late user's arrival to its first answer's end
 
 
 def config(upstream_url: str, max_inflight: int) -> dict:
     """A config both the new and the old proxy accept (no key added by issue 10: the new
     proxy runs on its defaults, ``max_users`` 20 000 and ``max_tokens_ceiling`` 32 768)."""
-    users = [{"id": u, "weight": w} for u, w in {**HONEST, **GAMERS}.items()]
+    users = [{"id": u, "weight": w} for u, w in {**HONEST, LATE: LATE_WEIGHT, **GAMERS}.items()]
     users[-1]["rate_limit"] = {"tokens_per_minute": 20_000}  # g-tools
     return {
         "upstream": {"url": upstream_url, "kind": "openai", "load_signal": {"enabled": False}},
@@ -134,10 +154,14 @@ class Load:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             self._count(user if not user.startswith("churn-") else CHURN, 0)
 
-    async def honest(self, http: aiohttp.ClientSession, user: str) -> None:
+    async def honest(self, http: aiohttp.ClientSession, user: str, t0: float | None = None) -> None:
+        """Closed loop of ``user``; with ``t0``, nothing new is sent during ``PAUSE_S``."""
         rng = random.Random(self.rng.random())
         while time.monotonic() < self.deadline:
-            kind = {"h-chat": "chat", "h-long": "long"}.get(user) or rng.choice(("chat", "long"))
+            if t0 is not None and PAUSE_S[0] <= time.monotonic() - t0 < PAUSE_S[1]:
+                await asyncio.sleep(t0 + PAUSE_S[1] - time.monotonic())
+                continue
+            kind = {"h-chat": "chat", LATE: "chat", "h-long": "long"}.get(user) or rng.choice(("chat", "long"))
             if kind == "chat":
                 prompt, out = rng.randint(80, 120), rng.randint(40, 60)
                 mt = None if user == "h-mixed" else 64
@@ -145,6 +169,21 @@ class Load:
                 prompt, out = rng.randint(250, 350), rng.randint(900, 1100)
                 mt = None if user == "h-mixed" else 1536
             await self._one(http, user, _chat_body(user, prompt, out, mt))
+
+    async def late(self, http: aiohttp.ClientSession, t0: float) -> None:
+        """The late user: nothing until ``late_at_s``, then as h-chat with as many
+        workers; notes when its first answer came."""
+        arrive = t0 + self.run.late_at_s
+        await asyncio.sleep(max(0.0, arrive - time.monotonic()))
+        if time.monotonic() >= self.deadline:
+            return
+
+        async def first() -> None:
+            await self._one(http, LATE, _chat_body(LATE, 100, 50, 64))
+            self.run.late_first_s = time.monotonic() - arrive
+            await self.honest(http, LATE)
+
+        await asyncio.gather(first(), *[self.honest(http, LATE) for _ in range(HONEST_WORKERS - 1)])
 
     async def absurd(self, http: aiohttp.ClientSession) -> None:
         while time.monotonic() < self.deadline:
@@ -206,7 +245,8 @@ class Load:
     async def go(self, pid: int, t0: float, admin: bool) -> None:
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as http:
-            jobs = [self.honest(http, u) for u in HONEST for _ in range(HONEST_WORKERS)]
+            jobs = [self.honest(http, u, t0) for u in HONEST for _ in range(HONEST_WORKERS)]
+            jobs.append(self.late(http, t0))
             jobs += [self.absurd(http) for _ in range(2)]
             jobs += [self.disconnect(http) for _ in range(4)]
             jobs += [self.tools(http) for _ in range(4)]
@@ -283,6 +323,10 @@ class Result:
     honest_worst_err: dict[str, float]
     gamer_share: dict[str, float]
     gamer_worst_window: dict[str, float]
+    honest_share_after: dict[str, float]  # the same, from the late user's arrival (the return) on
+    late_share: float  # of all honest tokens (the late user's included) from its arrival on
+    late_worst_err: float  # the worst window from its arrival on, against its weight share
+    late_first_s: float
     windows: int
     rss_start: float
     rss_max: float
@@ -292,21 +336,33 @@ class Result:
 
 def measure(run: Run, warmup_s: float, window_s: float) -> Result:
     """Shares over the run after ``warmup_s``, and over every ``window_s`` window sliding
-    by 1 s."""
+    by 1 s, both while the honest users are backlogged: the honest users' pause
+    (``PAUSE_S``, while their queues drain and the gamers are alone) is left out, since
+    no share is owed to a user with nothing waiting."""
     t = np.asarray(run.times)
     end = min(t[-1], run.duration_s)  # the load's end (requests still in flight then are not the scenario)
     cum = {u: np.asarray(run.service[u]) for u in USERS}
     at = lambda u, x: np.interp(x, t, cum[u])  # noqa: E731
-    tot = {u: float(at(u, end) - at(u, warmup_s)) for u in USERS}
+    spans = [(a, b) for a, b in ((warmup_s, min(end, PAUSE_S[0])), (max(warmup_s, PAUSE_S[1]), end)) if b > a]
+    tot = {u: float(sum(at(u, b) - at(u, a) for a, b in spans)) for u in USERS}
     honest_total = sum(tot[u] for u in HONEST) or 1.0
     all_total = sum(tot.values()) or 1.0
-    gold_total = (all_total - tot[CHURN]) or 1.0
+    gold_total = (all_total - tot[CHURN] - tot[LATE]) or 1.0  # the gamers' targets are of 7 weights
+    late_from = max(warmup_s, run.late_at_s)
+    since = {u: float(at(u, end) - at(u, late_from)) for u in (*HONEST, LATE)}
+    late_share = since[LATE] / (sum(since.values()) or 1.0)
+    honest_after = sum(since[u] for u in HONEST) or 1.0
+    late_target = LATE_WEIGHT / (sum(HONEST.values()) + LATE_WEIGHT)
+    lstarts = np.arange(late_from, end - window_s + 1e-9, 1.0)
+    linc = {u: at(u, lstarts + window_s) - at(u, lstarts) for u in (*HONEST, LATE)}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        late_worst = float(np.max(np.abs(linc[LATE] / sum(linc.values()) - late_target))) if len(lstarts) else math.nan
     wsum = sum(HONEST.values())
-    starts = np.arange(warmup_s, end - window_s + 1e-9, 1.0)
+    starts = np.concatenate([np.arange(a, b - window_s + 1e-9, 1.0) for a, b in spans] or [np.zeros(0)])
     inc = {u: at(u, starts + window_s) - at(u, starts) for u in USERS}
     hsum = sum(inc[u] for u in HONEST)
     asum = sum(inc.values())
-    gsum = asum - inc[CHURN]
+    gsum = asum - inc[CHURN] - inc[LATE]
     with np.errstate(invalid="ignore", divide="ignore"):
         worst = {u: float(np.max(np.abs(inc[u] / hsum - HONEST[u] / wsum))) for u in HONEST} if len(starts) else {}
         gworst = {u: float(np.max(inc[u] / gsum)) for u in GAMERS} if len(starts) else {}
@@ -318,6 +374,10 @@ def measure(run: Run, warmup_s: float, window_s: float) -> Result:
         honest_worst_err=worst,
         gamer_share={**{u: tot[u] / gold_total for u in GAMERS}, CHURN: tot[CHURN] / all_total},
         gamer_worst_window=gworst,
+        honest_share_after={u: since[u] / honest_after for u in HONEST},
+        late_share=late_share,
+        late_worst_err=late_worst,
+        late_first_s=run.late_first_s,
         windows=len(starts),
         rss_start=rss[0] if rss else math.nan,
         rss_max=max(rss) if rss else math.nan,
@@ -333,10 +393,21 @@ def table(runs: list[Run], results: list[Result], window_s: float) -> str:
     for u, w in HONEST.items():
         rows.append((f"{u} (w={w:g}) share of honest tokens", f"{100 * w / wsum:.1f}%", [f"{100 * r.honest_share[u]:.1f}%" for r in results]))
     rows.append((f"honest: worst {window_s:g} s window error, pp", "<= 3.0", [f"{100 * max(r.honest_worst_err.values()):.1f}" for r in results]))
+    rows.append(
+        (
+            f"honest shares after the return (t >= {runs[0].late_at_s:g} s)",
+            " / ".join(f"{100 * w / wsum:.0f}" for w in HONEST.values()) + "%",
+            [" / ".join(f"{100 * r.honest_share_after[u]:.1f}" for u in HONEST) + "%" for r in results],
+        )
+    )
+    late_target = LATE_WEIGHT / (wsum + LATE_WEIGHT)
+    rows.append((f"{LATE} (w={LATE_WEIGHT:g}, from t={runs[0].late_at_s:g} s) share of honest tokens", f"{100 * late_target:.1f}%", [f"{100 * r.late_share:.1f}%" for r in results]))
+    rows.append((f"{LATE}: worst {window_s:g} s window error, pp", "<= 3.0", [f"{100 * r.late_worst_err:.1f}" for r in results]))
+    rows.append((f"{LATE}: first answer after, s", "", [f"{r.late_first_s:.2f}" for r in results]))
     for u in GAMERS:
         rows.append((f"{u} share of gold's tokens (worst window)", f"<= {100 / STEADY_WEIGHT:.1f}%", [f"{100 * r.gamer_share[u]:.1f}% ({100 * r.gamer_worst_window[u]:.1f}%)" for r in results]))
     rows.append(("churn (guests) share of all tokens (worst window)", f"~{100 * GUESTS_MIN_SHARE:.0f}%", [f"{100 * r.gamer_share[CHURN]:.1f}% ({100 * r.gamer_worst_window[CHURN]:.1f}%)" for r in results]))
-    for u in (*HONEST, *GAMERS, CHURN):
+    for u in (*HONEST, LATE, *GAMERS, CHURN):
         rows.append((f"{u}: answers ok / refused (status)", "", [_statuses(run.status.get(u, {})) for run in runs]))
     rows.append(("churn identities sent", "100000", [f"{run.churn_sent}" for run in runs]))
     rows.append(("proxy RSS start / max / end, MiB", "bounded", [f"{r.rss_start:.0f} / {r.rss_max:.0f} / {r.rss_end:.0f}" for r in results]))
@@ -365,7 +436,7 @@ def plot(runs: list[Run], warmup_s: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"h-chat": "tab:orange", "h-long": "tab:blue", "h-mixed": "tab:green", "g-absurd": "tab:red", "g-disconnect": "tab:purple", "g-tools": "tab:brown", CHURN: "tab:gray"}
+    colors = {"h-chat": "tab:orange", "h-long": "tab:blue", "h-mixed": "tab:green", LATE: "tab:olive", "g-absurd": "tab:red", "g-disconnect": "tab:purple", "g-tools": "tab:brown", CHURN: "tab:gray"}
     fig, axes = plt.subplots(2, len(runs), figsize=(7.5 * len(runs), 8), squeeze=False, gridspec_kw={"height_ratios": [3, 1]})
     wsum = sum(HONEST.values())
     for c, run in enumerate(runs):
@@ -377,11 +448,16 @@ def plot(runs: list[Run], warmup_s: float, path: Path) -> None:
         base = {u: run.service[u][i0] for u in USERS}
         svc = {u: np.asarray(run.service[u][i0:i1]) - base[u] for u in USERS}
         for u in USERS:
-            ls = "-" if u in HONEST else "--"
-            ax.plot(t[i0:], svc[u] / 1e6, color=colors[u], lw=1.8 if u in HONEST else 1.2, ls=ls, label=u)
+            ls = "-" if u in HONEST or u == LATE else "--"
+            ax.plot(t[i0:], svc[u] / 1e6, color=colors[u], lw=1.8 if u in HONEST or u == LATE else 1.2, ls=ls, label=u)
         hsum = sum(svc[u] for u in HONEST)
         for u, w in HONEST.items():
             ax.plot(t[i0:], w / wsum * hsum / 1e6, color=colors[u], lw=0.9, ls=":")
+        j = int(np.searchsorted(t, max(warmup_s, run.late_at_s))) - i0
+        if 0 <= j < len(hsum):  # the late user's weight share of honest tokens since it came
+            since = sum(svc[u][j:] - svc[u][j] for u in (*HONEST, LATE))
+            ax.plot(t[i0 + j :], (svc[LATE][j] + LATE_WEIGHT / (wsum + LATE_WEIGHT) * since) / 1e6, color=colors[LATE], lw=0.9, ls=":")
+        ax.axvspan(*PAUSE_S, color="0.9", zorder=0, label="honest users paused")
         ax.set_title(f"{run.label}: weighted tokens since t={warmup_s:g} s")
         ax.set_ylabel("millions of weighted tokens")
         ax.grid(alpha=0.3)
@@ -391,7 +467,7 @@ def plot(runs: list[Run], warmup_s: float, path: Path) -> None:
         ax2.set_ylabel("proxy RSS (MiB)")
         ax2.set_xlabel("time (s)")
         ax2.grid(alpha=0.3)
-    fig.suptitle("Adversarial scenario, live through the proxy process (dotted: each honest user's weight share of honest tokens)", fontsize=11)
+    fig.suptitle("Adversarial scenario, live through the proxy process (dotted: each honest user's weight share of honest tokens; grey: the pause)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -416,5 +492,6 @@ async def main_async(duration_s: float, warmup_s: float, window_s: float, churn_
     report = table(runs, results, window_s)
     new = results[0]
     ok = max(new.honest_worst_err.values()) <= 0.03 and all(new.gamer_share[g] <= 1 / STEADY_WEIGHT for g in GAMERS)
+    ok = ok and not new.late_worst_err > 0.03
     plot(runs, warmup_s, plot_path)
     return report, ok
