@@ -40,7 +40,7 @@ from .request_body import (
     parse_generate,
     text_tokens,
 )
-from .sse import MAX_EVENT_BYTES, EventTooLarge, OpaqueStream, SSEScanner, parse_event, split_events
+from .sse import OpaqueStream, SSEScanner, parse_event, take_events
 
 if TYPE_CHECKING:
     from .config import Config
@@ -396,12 +396,8 @@ class ResponsesStreamScanner:
 
     def feed(self, chunk: bytes) -> None:
         """Scan ``chunk``; complete events update the attributes."""
-        buf = self._buf
-        buf += chunk
-        for ev in split_events(buf):
+        for ev in take_events(self._buf, chunk):
             self.feed_event(ev)
-        if len(buf) > MAX_EVENT_BYTES:
-            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
 
     def end(self) -> None:
         """The stream ended: read an unterminated last event as if it were terminated."""

@@ -51,6 +51,21 @@ def split_events(buf: bytearray) -> list[bytes]:
     return out
 
 
+def take_events(buf: bytearray, chunk: bytes) -> list[bytes]:
+    """Append ``chunk`` to ``buf`` and return the complete events now at its front
+    (:func:`split_events`); what is left is one unterminated event.
+
+    Raises:
+        EventTooLarge: that unterminated event grew past :data:`MAX_EVENT_BYTES` (the
+            bound on what a stream may make the proxy hold).
+    """
+    buf += chunk
+    events = split_events(buf)
+    if len(buf) > MAX_EVENT_BYTES:
+        raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+    return events
+
+
 def parse_event(raw: bytes) -> tuple[bytes | None, bytes | None]:
     """The ``(event, data)`` fields of one event (its terminator may be included).
 
@@ -200,11 +215,8 @@ class SSEScanner:
                 self.tokens += n
                 self.events += n
                 return
-        buf += chunk
-        for ev in split_events(buf):
+        for ev in take_events(buf, chunk):
             self._event(ev)
-        if len(buf) > MAX_EVENT_BYTES:
-            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
 
     def end(self) -> None:
         """The stream ended: read an unterminated last event as if it were terminated
@@ -358,10 +370,7 @@ class UsageStripper:
         buf = self._buf
         if not buf and b'"usage"' not in chunk and chunk.endswith(_EVENT_ENDINGS):
             return chunk
-        buf += chunk
-        events = split_events(buf)
-        if len(buf) > MAX_EVENT_BYTES:
-            raise EventTooLarge(f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+        events = take_events(buf, chunk)
         return b"".join(strip_usage(ev) if b'"usage"' in ev else ev for ev in events)
 
     def flush(self) -> bytes:

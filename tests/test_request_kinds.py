@@ -12,7 +12,7 @@ from aiohttp import web
 
 from bench.scripted_engine import make_app as scripted_engine
 from proxy.errors import responses_error_event
-from proxy.sse import split_events as take_events
+from proxy.sse import split_events
 from proxy.request_body import BadRequest
 from proxy.request_kinds import (
     MAX_EMBEDDING_INPUTS,
@@ -226,7 +226,7 @@ async def _scan(http: aiohttp.ClientSession, url: str, **fake) -> tuple[Response
             async for chunk in r.content.iter_any():
                 raw += chunk
                 buf += chunk
-                for ev in take_events(buf):
+                for ev in split_events(buf):
                     scanner.feed_event(ev)
         except aiohttp.ClientPayloadError:
             pass  # the scripted cut
