@@ -42,7 +42,7 @@ from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
 from .errors import error_response
 from .model_routing import ModelTable, Route, model_error, parse_models_body
-from .relay import Exchange, relay_body, relay_stream
+from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds
 from .admission import NoEngine
@@ -60,7 +60,6 @@ log = logging.getLogger("llm_qos.proxy")
 
 _SERVICE_UNAVAILABLE = {RefusalReason.EVICTED, RefusalReason.SHUTDOWN, RefusalReason.NO_ENGINE}
 _NOTHING_SERVED = {m.OUTCOME_UPSTREAM_ERROR, m.OUTCOME_BAD_REQUEST}  # with no output token
-CLIENT_CLOSED = 499  # the access log's status for a client that left before any answer (nginx's)
 MODEL_CHARS = 128  # a body's model name is logged up to this length
 
 

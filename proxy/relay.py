@@ -49,7 +49,9 @@ from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay_headers import REQUEST_ID, client_headers, content_coding
 from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
-__all__ = ["DONE_EVENT", "Exchange", "SSEScanner", "StreamScanner", "relay_body", "relay_stream", "usage_of"]
+CLIENT_CLOSED = 499  # the access log's status for a client that left before any answer (nginx's)
+
+__all__ = ["CLIENT_CLOSED", "DONE_EVENT", "Exchange", "SSEScanner", "StreamScanner", "relay_body", "relay_stream", "usage_of"]
 
 
 @dataclass(slots=True)
@@ -254,11 +256,13 @@ async def relay_stream(
     length = upstream.content_length
     if not scanner.sse and length is not None and content_coding(upstream.headers) in ("", "identity") and request.method != "HEAD" and upstream.status not in (204, 304):
         resp.content_length = length  # bytes relayed as they are: a download keeps its length
-    await resp.prepare(request)
-    ex.status = upstream.status
     stripper = UsageStripper() if strip_usage else None
     watchdog = _WriteWatchdog(loop, write_timeout_s)
     try:
+        watchdog.pending_since = loop.time()  # the headers are the first write
+        await resp.prepare(request)  # a client gone by now is a reset here: handled below
+        watchdog.pending_since = None
+        ex.status = upstream.status
         broke: Exception | None = None
         try:
             async for chunk in upstream.content.iter_any():
@@ -339,6 +343,7 @@ async def relay_stream(
         return resp
     except ConnectionResetError:
         ex.outcome, ex.detail = OUTCOME_CLIENT_GONE, "the client disconnected mid-stream"
+        ex.status = ex.status or CLIENT_CLOSED  # gone before the headers were out
         return resp
     finally:
         watchdog.stop()
