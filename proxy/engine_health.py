@@ -57,7 +57,6 @@ import enum
 import logging
 import math
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any

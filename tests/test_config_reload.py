@@ -275,11 +275,12 @@ def _get_json(url: str, headers: dict | None = None, method: str = "GET") -> tup
         return e.code, json.loads(e.read())
 
 
-def test_sighup_and_admin_reload_in_the_proxy_process(tmp_path):
-    import signal
-
+def _proxy_with_admin(tmp_path):
+    """A proxy process on a written config with admin key ``adm-1``, not watching the file:
+    ``(config path, config dict, process, base URL, admin auth headers)``. The caller stops
+    the process (``tests.proxy_process.stop_proxy``)."""
     from tests.engine_fixture import free_port
-    from tests.proxy_process import start_proxy, stop_proxy
+    from tests.proxy_process import start_proxy
 
     path = tmp_path / "config.yaml"
     cfg = base_config("http://127.0.0.1:9")
@@ -287,8 +288,15 @@ def test_sighup_and_admin_reload_in_the_proxy_process(tmp_path):
     _write(path, cfg)
     port = free_port()
     proc = start_proxy(path, port, extra_args=["--no-watch"])
-    url = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": "Bearer adm-1"}
+    return path, cfg, proc, f"http://127.0.0.1:{port}", {"Authorization": "Bearer adm-1"}
+
+
+def test_sighup_and_admin_reload_in_the_proxy_process(tmp_path):
+    import signal
+
+    from tests.proxy_process import stop_proxy
+
+    path, cfg, proc, url, auth = _proxy_with_admin(tmp_path)
     try:
         _, first = _get_json(url + "/admin/config", auth)
         cfg["admission"]["max_inflight"] = 3
@@ -447,17 +455,9 @@ async def test_a_broken_reload_logs_and_shows_no_secret(make_stack, http, monkey
 def test_admin_reload_and_check_config_in_processes_show_no_secret(tmp_path):
     """``POST /admin/reload`` in a real proxy process (its stderr log, the 400's message,
     ``/admin/config``) and ``llm-qos check-config``'s output: no key, the line and the path."""
-    from tests.engine_fixture import free_port
-    from tests.proxy_process import start_proxy, stop_proxy
+    from tests.proxy_process import stop_proxy
 
-    path = tmp_path / "config.yaml"
-    cfg = base_config("http://127.0.0.1:9")
-    cfg["admin"] = {"api_key": "adm-1"}
-    _write(path, cfg)
-    port = free_port()
-    proc = start_proxy(path, port, extra_args=["--no-watch"])
-    url = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": "Bearer adm-1"}
+    path, cfg, proc, url, auth = _proxy_with_admin(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         for line, secret, where in _BROKEN_WITH_SECRETS.values():

@@ -31,6 +31,7 @@ from tests.scripted_upstream import (
     LAST_CHUNK,
     SSE,
     ScriptedUpstream,
+    Script,
     Seen,
     chat_chunk,
     chunk,
@@ -164,6 +165,19 @@ async def admin_status(p: Proxy) -> dict:
 
 # ------------------------------------------------------------------- compression
 
+
+def rejecting_stream_options(error_body: bytes, content: str) -> Script:
+    """An engine with a strict request schema: a body with ``stream_options`` gets a 400
+    with ``error_body``; any other gets a one-chunk stream answering ``content``."""
+
+    def engine(sock, seen: Seen) -> bool:
+        if "stream_options" in seen.json:
+            sock.sendall(response(400, JSON, error_body))
+        else:
+            sock.sendall(head(200, SSE) + chunk(chat_chunk(content, "stop")) + LAST_CHUNK)
+        return False
+
+    return engine
 
 async def test_gzip_stream_is_decoded_and_identity_was_asked(proxy, up, model):
     plain = events(chat_chunk("Hel"), chat_chunk("lo"), chat_chunk(None, "stop"), DONE)
@@ -568,16 +582,15 @@ async def test_an_engine_that_rejects_stream_options_still_serves_valid_requests
     """First request: 400 naming stream_options, sent again without, served; remembered:
     later requests go without it at once. A client's own bad field is relayed at once."""
 
+    strict = rejecting_stream_options(
+        b'{"error":{"message":"Unrecognized request argument supplied: stream_options","type":"invalid_request_error","param":"stream_options","code":null}}', "ok"
+    )
+
     def engine(sock, seen: Seen) -> bool:
-        body = seen.json
-        if "stream_options" in body:
-            err = b'{"error":{"message":"Unrecognized request argument supplied: stream_options","type":"invalid_request_error","param":"stream_options","code":null}}'
-            sock.sendall(response(400, JSON, err))
-        elif body.get("temperature") == "hot":
+        if "stream_options" not in seen.json and seen.json.get("temperature") == "hot":
             sock.sendall(response(400, JSON, b'{"error":{"message":"temperature must be a number","param":"temperature"}}'))
-        else:
-            sock.sendall(head(200, SSE) + chunk(chat_chunk("ok", "stop")) + LAST_CHUNK)
-        return False
+            return False
+        return strict(sock, seen)
 
     up.on(model, engine)
     p = _start(up, tmp_path, {"stream_non_streaming": True})
@@ -633,14 +646,10 @@ async def test_a_fresh_proxys_first_plain_request_to_an_engine_rejecting_stream_
     answer (sent once more without them), and the proxy remembers: the next plain
     request goes without them at once."""
 
-    def engine(sock, seen: Seen) -> bool:
-        if "stream_options" in seen.json:
-            err = b'{"object":"error","message":"[{\'type\': \'extra_forbidden\', \'loc\': (\'body\', \'stream_options\'), \'msg\': \'Extra inputs are not permitted\'}]","type":"BadRequestError","param":null,"code":400}'
-            sock.sendall(response(400, JSON, err))
-        else:
-            sock.sendall(head(200, SSE) + chunk(chat_chunk("fine", "stop")) + LAST_CHUNK)
-        return False
-
+    engine = rejecting_stream_options(
+        b'{"object":"error","message":"[{\'type\': \'extra_forbidden\', \'loc\': (\'body\', \'stream_options\'), \'msg\': \'Extra inputs are not permitted\'}]","type":"BadRequestError","param":null,"code":400}',
+        "fine",
+    )
     up.on(model, engine)
     p = _start(up, tmp_path, {"stream_non_streaming": True})
     try:
