@@ -78,6 +78,7 @@ def create_app(
     app.router.add_get("/openapi.json", openapi.openapi)
     admin.add_routes(app)
     dashboard.add_routes(app)
+    app[handlers.OWN_RESOURCES] = tuple(app.router.resources())  # for pass-through's 405s
     app.router.add_route("*", "/v1/{path:.*}", handlers.passthrough)  # last: every other /v1/ path
 
     async def start_upstream(app: web.Application) -> None:

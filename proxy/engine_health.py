@@ -76,7 +76,6 @@ FAILURE_REASONS = ("connect", "reset", "timeout", "http_5xx", "stream_cut")
 NOT_FAILURE_STATUSES = frozenset({501, 505})
 
 
-
 def max_passive_ejections(engines: int, percent: int) -> int:
     """How many of a pool's ``engines`` (in rotation or ejected; draining ones aside) may
     be ejected at once when the next ejection is a passive one: ``percent`` of them,
@@ -85,12 +84,6 @@ def max_passive_ejections(engines: int, percent: int) -> int:
     if engines <= 1 or percent <= 0:
         return 0
     return min(engines - 1, max(1, engines * percent // 100))
-
-
-def answered_status(reason: str | None, detail: str, status: int | None = None) -> int | None:
-    """The HTTP status of an ``http_5xx`` failure (``status``, as the caller knows it);
-    ``None`` for other reasons or when not given. ``detail`` is not read."""
-    return status if reason == "http_5xx" else None
 
 
 class Health(enum.Enum):
@@ -197,8 +190,8 @@ class EngineHealth:
             reason: for a failure, one of :data:`FAILURE_REASONS`.
             detail: a short description for status pages.
             status: for an ``http_5xx`` failure, the status the engine answered (or named
-                in its answer); when not given, the first 5xx number in ``detail``. One of
-                :data:`NOT_FAILURE_STATUSES` makes the report a success.
+                in its answer), when known. One of :data:`NOT_FAILURE_STATUSES` makes the
+                report a success.
             may_eject: whether this failure may eject the engine if it is the
                 ``failures_to_eject``-th in a row (asked only then, when a callable): the
                 pool's floor (:meth:`proxy.router.PoolRouter.report`). Refused, the
@@ -211,7 +204,7 @@ class EngineHealth:
         Raises:
             ValueError: ``ok`` is false and ``reason`` is not a known reason.
         """
-        if not ok and answered_status(reason, detail, status) in NOT_FAILURE_STATUSES:
+        if not ok and reason == "http_5xx" and status in NOT_FAILURE_STATUSES:
             ok = True  # the engine answered that it does not serve this: not its failure
         if ok:
             self.request_failures = 0

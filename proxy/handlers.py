@@ -55,6 +55,8 @@ from .upstream import UpstreamError
 from .upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
+#: the proxy's own resources, every route but the pass-through catch-all (set by the app)
+OWN_RESOURCES = web.AppKey("llm_qos_own_resources", tuple)
 access_log = logging.getLogger("llm_qos.access")
 log = logging.getLogger("llm_qos.proxy")
 
@@ -96,6 +98,7 @@ async def handle_generation(request: web.Request, kind: RequestKind) -> web.Stre
 
 async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> web.StreamResponse:
     state = request.app[STATE]
+    ex.kind = kind.name
     native = kind.native
     path = kind.path if kind.path is not None else raw_target(request).partition("?")[0]
     loop = asyncio.get_running_loop()
@@ -150,6 +153,7 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
         key = affinity_key(pool.spec.routing, session, prompt_prefix(parsed.fields, aff.prefix_chars) if aff.prefix_chars else None)
 
     admitted = not (kind.opaque and not active.config.passthrough.admit)
+    outside = None  # the engine place of a request outside admission
     try:
         if admitted:
             ceiling = pool.spec.output_ceiling(parsed.prompt_tokens)  # the engines' context length, if known
@@ -158,7 +162,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             )
         else:  # passthrough.admit: false: straight to an engine, outside admission
             ticket = None
-            engine = pool.router.choose(0, key, over=True)
+            outside = _OutsideAdmission()
+            engine = pool.router.place_outside(outside, key)
             if engine is None:
                 raise NoEngine(pool.name, pool.router.retry_after_s())
     except Refused as r:
@@ -198,7 +203,7 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                     if ticket is not None:
                         nxt = admission.reroute(ticket, tried)
                     else:
-                        nxt = pool.router.choose(0, key, exclude=tried, over=True)
+                        nxt = pool.router.reroute(outside, tried, key, over=True)
                     if nxt is not None:
                         log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
                         engine = nxt
@@ -246,7 +251,7 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                 ex.outcome = m.OUTCOME_BAD_REQUEST
                 return error_response(400, _message_of(body), code="invalid_request")
             if plan.assemble and upstream.status == 200 and not is_json:
-                return await relay_assembled(upstream, ex, chat=path == "/v1/chat/completions", choices=choices_of(parsed.fields), base_url=engine.url)
+                return await relay_assembled(upstream, ex, chat=kind is kinds.CHAT, choices=choices_of(parsed.fields), base_url=engine.url)
             return await relay_body(upstream, ex, native=native, base_url=engine.url)
         except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
             ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
@@ -285,6 +290,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
         if ticket is not None:
             admission.release(ticket, ex.prompt_tokens, ex.output_tokens)
+        elif outside is not None and pool.router.release(outside) is not None:
+            pool.scheduler.dispatch()  # its place on the engine is free for the queue
         # metrics after the response has gone out, off its latency
         loop.call_soon(_account, state, ex, parsed)
 
@@ -317,7 +324,15 @@ def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, kind:
         parsed = replace(parsed, body=body, fields=orjson.loads(body))
     if not kind.proxy_fields:
         return UpstreamBody(parsed.body)
-    return plan_upstream_body(parsed, spec.upstream, engine.client.accepts_stream_options, False)
+    return plan_upstream_body(parsed, spec.upstream, engine.client.accepts_stream_options)
+
+
+class _OutsideAdmission:
+    """The place on an engine of a pass-through request outside admission
+    (:meth:`proxy.router.PoolRouter.place_outside`): it reserves no tokens."""
+
+    __slots__ = ()
+    reserved_tokens = 0
 
 
 def _no_progress(tokens: int) -> None:
@@ -347,7 +362,8 @@ async def _open(
             (a reset, a short body, ``idle_timeout_s`` of silence).
     """
     up = engine.client
-    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace, body_headers=body_headers)
+    # body headers come only with a pass-through request, whose path is a client's: not cached
+    upstream = await up.open(method, path, plan.body, query=query, request_id=ex.request_id, trace=trace, body_headers=body_headers, cached=body_headers is None)
     if plan.fallback is None or native or upstream.status not in REJECTED:
         return upstream, plan
     try:
@@ -428,6 +444,7 @@ def _log_access(ex: Exchange, now: float) -> None:
             "user": ex.user or None,
             "group": ex.group or None,
             "model": ex.model,
+            "kind": ex.kind or None,
             "status": ex.status,
             "outcome": ex.outcome or m.OUTCOME_UPSTREAM_ERROR,
             "detail": ex.detail or None,
@@ -484,11 +501,10 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 async def _own_methods(request: web.Request) -> set[str]:
     """The methods the proxy's own routes take on this path (empty: none of them is
-    this path), from the app's router (``aiohttp.web.AbstractResource.resolve``)."""
+    this path), from the resources registered before the pass-through catch-all
+    (:data:`OWN_RESOURCES`; ``aiohttp.web.AbstractResource.resolve``)."""
     allowed: set[str] = set()
-    for resource in request.app.router.resources():
-        if resource.canonical == "/v1/{path}":  # this catch-all itself
-            continue
+    for resource in request.app[OWN_RESOURCES]:
         _match, methods = await resource.resolve(request)
         allowed |= methods
     return allowed

@@ -64,6 +64,7 @@ class Exchange:
         request_id: the request's id (sent upstream and to the client).
         user, group: the caller, once known ("" before).
         model: the body's ``model`` (at most 128 characters), if any.
+        kind: the request's kind (:attr:`proxy.request_kinds.RequestKind.name`).
         status: the HTTP status sent to the client (0: none yet; 499: the client left
             before any).
         queue_wait: seconds from arrival to dispatch (or to refusal), once known.
@@ -87,6 +88,7 @@ class Exchange:
     user: str = ""
     group: str = ""
     model: str | None = None
+    kind: str = ""
     status: int = 0
     queue_wait: float | None = None
     first_byte_at: float | None = None

@@ -44,6 +44,7 @@ from .sse import OpaqueStream, SSEScanner, parse_event, take_events
 
 if TYPE_CHECKING:
     from .config import Config
+    from .relay import StreamScanner
 
 #: OpenAI: an embeddings ``input`` array holds at most 2048 entries.
 MAX_EMBEDDING_INPUTS = 2048
@@ -490,7 +491,7 @@ class RequestKind:
 
     Attributes:
         name: the kind (``chat``, ``completion``, ``generate``, ``embeddings``,
-            ``responses``, ``passthrough``).
+            ``responses``, ``passthrough``): the access log's ``kind``.
         path: the upstream path; ``None``: the client's own path (pass-through).
         parse: ``(body, config) -> ParsedRequest`` (:class:`proxy.config.Config`).
             Raises :class:`proxy.request_body.BadRequest`.
@@ -512,7 +513,7 @@ class RequestKind:
     path: str | None
     parse: Callable[[bytes, "Config"], ParsedRequest]
     cap: Callable[[ParsedRequest, int, bool], ParsedRequest] | None
-    scanner: Callable[[], object]
+    scanner: Callable[[], "StreamScanner"]
     proxy_fields: bool = False
     native: bool = False
     opaque: bool = False

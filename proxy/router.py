@@ -501,6 +501,17 @@ class PoolRouter:
             self._removed(engine)
         return engine
 
+    def place_outside(self, holder: Reservable, key: str | None = None) -> EngineState | None:
+        """Place a request admission does not govern (``passthrough.admit: false``) on the
+        engine :meth:`choose` picks for it (no tokens; a full engine too, as a reroute is),
+        counted in that engine's in flight until :meth:`release` of ``holder``, so that a
+        reload drains the engine instead of closing it under the request. ``None``: no
+        engine is in rotation."""
+        engine = self.choose(holder.reserved_tokens, key, over=True)
+        if engine is not None:
+            self._place(holder, engine)
+        return engine
+
     def engine_of(self, ticket: Reservable) -> EngineState | None:
         """The engine ``ticket`` is placed on, or ``None``."""
         placed = self._placed.get(ticket)

@@ -36,7 +36,6 @@ from .config import UpstreamConfig
 from .relay_headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
-_URL_CACHE = 64  # upstream URLs kept built, per upstream (bounded: pass-through paths come from clients)
 
 
 def ends_in_api_version(url: str) -> bool:
@@ -130,14 +129,14 @@ class Upstream:
                 config.url,
             )
 
-    def _url(self, path: str, query: str) -> URL:
+    def _url(self, path: str, query: str, cached: bool) -> URL:
         if query:
             return URL(f"{self.config.url}{path}?{query}", encoded=True)
+        if not cached:
+            return URL(self.config.url + path)
         url = self._urls.get(path)
         if url is None:
-            url = URL(self.config.url + path)
-            if len(self._urls) < _URL_CACHE:  # the proxy's own paths; a pass-through path is a client's
-                self._urls[path] = url
+            url = self._urls[path] = URL(self.config.url + path)
         return url
 
     def reject_stream_options(self, status: int) -> None:
@@ -162,6 +161,7 @@ class Upstream:
         request_id: str | None = None,
         trace: Mapping[str, str] | None = None,
         body_headers: Mapping[str, str | None] | None = None,
+        cached: bool = True,
     ) -> aiohttp.ClientResponse:
         """Send one request, once, and wait for the upstream's status line and headers.
 
@@ -176,6 +176,8 @@ class Upstream:
             body_headers: ``Content-Type`` and ``Accept`` to send instead of the proxy's
                 own (JSON, and JSON or an event stream), a ``None`` value leaving that
                 header out: a pass-through body keeps the client's types.
+            cached: ``path`` is one of the proxy's own (a fixed few): its URL is built
+                once. ``False`` for a path a client chose (pass-through), never kept.
 
         Returns:
             The response with its body unread; the caller must ``close()`` (abort) or
@@ -188,7 +190,7 @@ class Upstream:
                 decode); 504 no connection within ``connect_timeout_s`` or no headers
                 within ``first_byte_timeout_s`` (``upstream_timeout``).
         """
-        config, url, headers = self.config, self._url(path, query), self._headers
+        config, url, headers = self.config, self._url(path, query, cached), self._headers
         if request_id is not None or trace or body_headers:
             headers = headers.copy()
             if request_id is not None:

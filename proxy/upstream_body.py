@@ -86,20 +86,20 @@ def choices_of(fields: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
 
 
-def plan_upstream_body(parsed: ParsedRequest, config: UpstreamConfig, accepts_stream_options: bool, native: bool) -> UpstreamBody:
+def plan_upstream_body(parsed: ParsedRequest, config: UpstreamConfig, accepts_stream_options: bool) -> UpstreamBody:
     """The body to send upstream for ``parsed`` (see the module docstring).
 
     Args:
         parsed: the client's parsed request (after any ``max_tokens`` cap).
         config: the ``upstream`` section.
         accepts_stream_options: whether this upstream has not rejected ``stream_options``.
-        native: a LightLLM native route (its body is never changed).
+
+    Only for chat and completions (:attr:`proxy.request_kinds.RequestKind.proxy_fields`):
+    other kinds' bodies go as they are.
 
     Raises:
         BadRequest: ``stream_options`` is not an object.
     """
-    if native:
-        return UpstreamBody(parsed.body)
     fields = parsed.fields
     opts = stream_options_of(fields)
     if not parsed.stream and config.stream_non_streaming:

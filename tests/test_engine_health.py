@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from proxy.config import parse_config
-from proxy.engine_health import EngineHealth, Health, HealthChecker, answered_status, max_passive_ejections
+from proxy.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
 from proxy.pool_config import HealthConfig
 from proxy.router import PoolRouter
 from tests.conftest import base_config, wait_until
@@ -331,5 +331,7 @@ def test_other_5xx_still_fail(detail, status):
 def test_a_status_is_the_callers_never_read_from_the_detail():
     h = EngineHealth(HealthConfig(failures_to_eject=1), "e")
     assert h.record_request(False, "connect", "Cannot connect to host 10.0.0.1:501")  # a port, not an answer
-    assert answered_status("connect", "answered 501", 501) is None and answered_status("http_5xx", "answered 501") is None
-    assert answered_status("http_5xx", "", 501) == 501
+    h = EngineHealth(HealthConfig(failures_to_eject=1), "e")
+    assert h.record_request(False, "http_5xx", "answered 501")  # no status given: "501" in the text is not read
+    h = EngineHealth(HealthConfig(failures_to_eject=1), "e")
+    assert not h.record_request(False, "http_5xx", "answered 501", status=501) and h.healthy

@@ -20,7 +20,7 @@ import pytest
 from yarl import URL
 
 from tests.scripted_upstream import ScriptedUpstream, response, stream
-from tests.test_pools_process import ADMIN, Proxy, engine_rows, engines, pools_config, proxies  # noqa: F401 (fixtures)
+from tests.test_pools_process import Proxy, engine_rows, engines, pools_config, proxies  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 JSON = [("Content-Type", "application/json")]
@@ -348,3 +348,36 @@ async def test_an_absolute_form_request_target_is_served_by_its_path(proxies, tm
         writer.close()
         assert answer.startswith(b"HTTP/1.1 200") and b'{"data":[]}' in answer
         assert up.seen_for("/v1/files")[-1].target == "/v1/files?limit=2"
+
+
+async def test_a_reload_drains_an_engine_under_a_pass_through_transfer_outside_admission(proxies, tmp_path, http):
+    """``passthrough.admit: false`` still holds its place on the engine: a reload that
+    removes the engine mid-transfer drains it (the transfer completes) instead of closing
+    its connections; the routed count and in flight show it."""
+
+    def slow_download(sock, seen):
+        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 10\r\nConnection: close\r\n\r\n12345")
+        time.sleep(1.5)
+        sock.sendall(b"67890")
+
+    with ScriptedUpstream() as a, ScriptedUpstream() as b:
+        a.on("/v1/files/f/content", slow_download)
+        pool = lambda url, name: [{"name": "p", "models": ["*"], "engines": [{"url": url, "name": name}]}]  # noqa: E731
+        cfg = pools_config(pool(a.url, "a"))
+        cfg["passthrough"] = {"enabled": True, "admit": False}
+        px = proxies(tmp_path, cfg)
+        async with http.get(px.url + "/v1/files/f/content") as r:
+            first = await r.content.readexactly(5)
+            rows = engine_rows(await px.status(http))
+            assert rows["a"]["inflight"] == 1 and rows["a"]["routed"] == 1
+            cfg = pools_config(pool(b.url, "b"))
+            cfg["passthrough"] = {"enabled": True, "admit": False}
+            px.write(cfg)
+            await px.reload(http)
+            assert engine_rows(await px.status(http))["a"]["state"] == "draining"
+            assert first + await r.read() == b"1234567890"
+        await eventually(lambda: _engines_are(http, px, {"b"}), "the drained engine left once its transfer ended")
+
+
+async def _engines_are(http, px: Proxy, names: set[str]) -> bool:
+    return set(engine_rows(await px.status(http))) == names

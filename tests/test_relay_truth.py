@@ -305,7 +305,7 @@ async def test_client_request_id_is_forwarded_returned_and_logged(proxy, up, mod
     assert status == 200 and headers["X-Request-Id"] == "trace-42:abc_DEF.9"
     assert up.seen_for(model)[0].headers["x-request-id"] == "trace-42:abc_DEF.9"
     line = await access_line(proxy, "trace-42:abc_DEF.9")
-    assert line["upstream_request_id"] is None and line["status"] == 200 and line["model"] == model
+    assert line["upstream_request_id"] is None and line["status"] == 200 and line["model"] == model and line["kind"] == "chat"
 
 
 @pytest.mark.parametrize("given", ["x" * 129, "has space", "semi;colon", "ünïcode", ""])
@@ -765,7 +765,7 @@ async def test_no_headers_within_first_byte_timeout_is_a_504_and_an_abort(impati
 # --------------------------------------------------------------------- access log
 
 ACCESS_KEYS = {
-    "ts", "request_id", "upstream_request_id", "user", "group", "model", "status", "outcome", "detail",
+    "ts", "request_id", "upstream_request_id", "user", "group", "model", "kind", "status", "outcome", "detail",
     "queue_wait_s", "ttft_s", "duration_s", "prompt_tokens", "output_tokens",
 }  # fmt: skip
 
