@@ -3,7 +3,8 @@
 The life of a completion request (``handle_generation``):
 
 1. read and parse the body (400 on bad input, 413 over ``limits.max_body_bytes``);
-2. resolve the caller (401 if ``require_api_key`` and no known key);
+2. resolve the caller (401 for a key the config does not know, or no known key under
+   ``require_api_key``: :meth:`proxy.identity.IdentityResolver.refusal`);
 3. route it by ``model`` to a pool (404 ``model_not_found``; :mod:`proxy.model_routing`);
 4. wait for admission in that pool (429 rate limit / queue full / timeout, 503 evicted /
    shutdown / no healthy engine); the ticket comes back placed on an engine (bind late);
@@ -113,9 +114,9 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     active = state.active  # one config for the rest of the request
     ident = active.identity.resolve(request.headers)
     ex.user = ident.user_id
-    if active.identity.require_api_key and not ident.authenticated:
+    if (why := active.identity.refusal(ident)) is not None:  # an unknown key, or none under require_api_key
         ex.outcome, ex.detail = m.OUTCOME_REFUSED, "invalid_api_key"
-        return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+        return error_response(401, why, code="invalid_api_key")
     group_name = ex.group = ident.group or active.config.default_group
     try:
         parsed = kind.parse(raw, active.config)
@@ -543,8 +544,9 @@ async def models(request: web.Request) -> web.Response:
     """``GET /v1/models`` (and ``HEAD``): with the single ``upstream``, the upstream's own
     answer passed through with its query string and end-to-end headers; with pools, every
     model a pool lists, then what the catch-all pool's engine lists
-    (:meth:`proxy.model_routing.ModelTable.models_list`). 401 without a known key when
-    ``identity.require_api_key`` is on; every answer carries ``X-Request-Id``."""
+    (:meth:`proxy.model_routing.ModelTable.models_list`). 401 for a key the config does not
+    know, or without a known key when ``identity.require_api_key`` is on; every answer
+    carries ``X-Request-Id``."""
     rid = request_id_of(request.headers)
     resp = await _models(request, rid)
     if REQUEST_ID not in resp.headers:
@@ -563,8 +565,8 @@ async def model(request: web.Request) -> web.Response:
 
 def _unauthorized(request: web.Request) -> web.Response | None:
     active = request.app[STATE].active
-    if active.identity.require_api_key and not active.identity.resolve(request.headers).authenticated:
-        return error_response(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+    if (why := active.identity.refusal(active.identity.resolve(request.headers))) is not None:
+        return error_response(401, why, code="invalid_api_key")
     return None
 
 

@@ -102,6 +102,37 @@ async def test_require_api_key_answers_401(make_stack, http, aiohttp_server):
         assert r.status == 200
 
 
+async def test_an_unknown_key_is_401_not_a_silent_demotion(make_stack, http):
+    """A presented key no configured user has (a typo, a revoked key) is 401
+    invalid_api_key, without require_api_key; a request with no key still goes to the
+    default group; a trusted header identity is not a presented key."""
+    st = await make_stack()
+    status, headers, body = await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer sk-nobody")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and body["error"]["type"] == "authentication_error"
+    assert "not valid" in body["error"]["message"] and "sk-nobody" not in body["error"]["message"]
+    assert "x-request-id" in {k.lower() for k in headers}
+    async with http.get(st.proxy_url + "/v1/models", headers={"Authorization": "Bearer sk-nobody"}) as r:
+        assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+    assert st.stats.started == 0  # nothing reached the engine
+    assert (await _post(http, st.proxy_url, st.chat_body(1)))[0] == 200  # no key: the default group
+    assert (await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer sk-carl"))[0] == 200
+    # the gateway in front names the user and passes its own credential through
+    status, _, _ = await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer gateway-token", **{"X-User-Id": "u7"})
+    assert status == 200
+    assert st.state.admission.scheduler.user_state("u7") is not None
+
+
+async def test_a_placeholder_key_is_ignored_when_the_config_lists_no_key(make_stack, http):
+    """With no key configured at all the proxy authenticates nobody by key: the placeholder
+    an OpenAI SDK must be given (``EMPTY``) is no presented key."""
+    cfg = base_config("http://127.0.0.1:1")
+    for g in cfg["groups"]:
+        for u in g["users"]:
+            u.pop("api_key", None)
+    st = await make_stack(config=cfg)
+    assert (await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer EMPTY"))[0] == 200
+
+
 async def test_rate_limit_429_says_whether_the_user_or_the_group_limit_tripped(make_stack, http):
     cfg = base_config("http://127.0.0.1:1")
     alice = cfg["groups"][0]["users"][0]
