@@ -96,7 +96,7 @@ _GENERATE = {
 
 def _post(summary: str, schema: dict) -> dict:
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}} for s, d in (
-        (400, "invalid request"), (401, "unknown API key (require_api_key)"), (404, "no pool serves this model (model_not_found)"), (413, "body too large"),
+        (400, "invalid request"), (401, "unknown API key, or none under require_api_key"), (404, "no pool serves this model (model_not_found)"), (413, "body too large"),
         (429, "rate limited, queue full or queue timeout (Retry-After)"), (502, "upstream unreachable or broken"),
         (503, "evicted, shutting down, no healthy engine for the model, or too many requests (Retry-After)"), (504, "upstream sent no headers in time"),
     )}
