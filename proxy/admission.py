@@ -15,6 +15,11 @@ release, a cancel, a policy change, an engine back in rotation, a load reading).
 request whose client disconnects is cancelled by aiohttp, and the ``except`` path takes it
 out of the queue at once.
 
+Idle users are forgotten on time (``admission.forget_users_after_s``), not only when a new
+user arrives: one timer (``loop.call_at``) is armed for the earliest
+:meth:`qos.Scheduler.next_forget_at` of the pools whenever a request ends and none is
+armed, and re-armed for the next one when it fires (:meth:`qos.Scheduler.forget_idle`).
+
 Bind late: the returned ticket's ``placement`` is the :class:`proxy.router.EngineState`
 chosen when it was dispatched; the handler opens the request on that engine's ``client``
 (:class:`proxy.upstream.Upstream`). A request whose connection failed before it reached the
@@ -46,6 +51,9 @@ from .errors import retry_after_seconds
 from .pool_config import PoolSpec
 from .router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit
+
+
+FORGET_SLACK_S = 0.01  # the forget timer fires this much after an idle user's deadline
 
 
 def _nothing() -> None:
@@ -150,6 +158,7 @@ class Admission:
         self.pools: dict[str, Pool] = {}
         self.retired: list[Pool] = []
         self._placing_key: str | None = None
+        self._forget_timer: asyncio.TimerHandle | None = None
         self.on_engine_removed: Callable[[EngineState], None] | None = None
         self.on_wait: Callable[[], None] = _nothing
         self.reconfigure(policy, pools)
@@ -202,6 +211,7 @@ class Admission:
                 pool.scheduler.update_policy(policy)
                 self.retired.append(pool)
         self._sweep()
+        self._rearm_forget()  # forget_users_after_s may have changed
 
     def _sweep(self) -> None:
         """Close retired pools that hold nothing any more."""
@@ -352,6 +362,7 @@ class Admission:
             # no reference cycle (future -> exception -> traceback -> this frame -> future)
             # left for the garbage collector: refused requests are freed at once
             fut = None
+            self._arm_forget()  # a refused user may be idle now
         ticket.context = p
         return ticket
 
@@ -364,15 +375,23 @@ class Admission:
         pool = ticket.context
         if not isinstance(pool, Pool):
             return False
+        engine = ticket.placement
+        if engine is not None:
+            engine.meter.finished(ticket)
         done = pool.scheduler.release(ticket, prompt_tokens, output_tokens)
         if pool.retired:
             self._sweep()
+        self._arm_forget()
         return done
 
     def record_output(self, ticket: Ticket, output_tokens: int) -> None:
-        """See :meth:`qos.Scheduler.record_output`."""
+        """See :meth:`qos.Scheduler.record_output`; also the engine's latency meter
+        (:class:`proxy.engine_meter.EngineMeter`)."""
         pool = ticket.context
         if isinstance(pool, Pool):
+            engine = ticket.placement
+            if engine is not None:
+                engine.meter.progress(ticket, output_tokens, self._clock())
             pool.scheduler.record_output(ticket, output_tokens)
 
     def reroute(self, ticket: Ticket, tried: Iterable[EngineState]) -> EngineState | None:
@@ -420,6 +439,39 @@ class Admission:
         """Refuse everything queued (503) and every later request, in every pool."""
         for p in self.all_pools():
             p.scheduler.close()
+        if self._forget_timer is not None:
+            self._forget_timer.cancel()
+            self._forget_timer = None
+
+    # ------------------------------------------------------------ idle users
+
+    def _arm_forget(self) -> None:
+        """Arm the forget timer for the earliest idle user's deadline, unless one is
+        armed (an early firing forgets nothing and re-arms) or no user is idle."""
+        if self._forget_timer is not None:
+            return
+        due = [at for p in self.all_pools() if (at := p.scheduler.next_forget_at()) is not None]
+        if not due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the loop (a policy set at construction): armed on the first release
+            return
+        # a little late rather than early: the loop's clock may round its timers down
+        delay = max(0.0, min(due) - self._clock()) + FORGET_SLACK_S
+        self._forget_timer = loop.call_at(loop.time() + delay, self._forget_due)
+
+    def _rearm_forget(self) -> None:
+        if self._forget_timer is not None:
+            self._forget_timer.cancel()
+            self._forget_timer = None
+        self._arm_forget()
+
+    def _forget_due(self) -> None:
+        self._forget_timer = None
+        for p in self.all_pools():
+            p.scheduler.forget_idle()
+        self._arm_forget()
 
     # ------------------------------------------------------------- inspection
 

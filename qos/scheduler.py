@@ -35,7 +35,8 @@ whose head does not fit lets a higher class's head go if that one fits. A reques
 reservation could never fit is refused at submit (``TOO_LARGE``).
 
 Per-user state is bounded: a user with nothing queued or in flight is forgotten after
-``policy.forget_users_after_s``, and beyond ``policy.max_users`` the users idle longest
+``policy.forget_users_after_s`` (at the next new user's submit, or when the caller calls
+:meth:`Scheduler.forget_idle` at :meth:`Scheduler.next_forget_at`), and beyond ``policy.max_users`` the users idle longest
 are forgotten first, so at most ``max(max_users, users with requests queued or in
 flight)`` are tracked (:attr:`Scheduler.users_forgotten` counts the forgotten).
 """
@@ -251,6 +252,22 @@ class Scheduler:
             if since > horizon:
                 break
             self._forget(uid)
+
+    def forget_idle(self) -> int:
+        """Forget now every user idle longer than ``policy.forget_users_after_s`` (a
+        caller's timer, armed for :meth:`next_forget_at`, calls this so idle users go on
+        time without waiting for a new user's submit). Returns how many were forgotten.
+        Amortized O(1) per forgotten user."""
+        before = self.users_forgotten
+        self._forget_idle(self._clock())
+        return self.users_forgotten - before
+
+    def next_forget_at(self) -> float | None:
+        """Clock reading at which the user idle longest is due to be forgotten
+        (:meth:`forget_idle`), or ``None`` when no user is idle. O(1)."""
+        for since in self._idle.values():  # the oldest first: users go idle in clock order
+            return since + self.policy.forget_users_after_s
+        return None
 
     def _trim(self, most: int) -> None:
         """Forget the users idle longest until at most ``most`` are tracked or no idle

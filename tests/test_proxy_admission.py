@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
@@ -131,6 +132,28 @@ async def test_a_placeholder_key_is_ignored_when_the_config_lists_no_key(make_st
             u.pop("api_key", None)
     st = await make_stack(config=cfg)
     assert (await _post(http, st.proxy_url, st.chat_body(1), Authorization="Bearer EMPTY"))[0] == 200
+
+
+async def test_idle_users_are_forgotten_on_time_without_new_traffic(make_stack, http):
+    """A burst of identities, then silence: every one is forgotten once idle for
+    forget_users_after_s (a timer), not only when a new user's request comes."""
+    st = await make_stack(forget_users_after_s=1.0)
+
+    async def tracked() -> float:
+        async with http.get(st.proxy_url + "/metrics") as r:
+            text = await r.text()
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("llm_qos_users_tracked "))
+
+    results = await asyncio.gather(*(_post(http, st.proxy_url, st.chat_body(1), **{"X-User-Id": f"burst-{i}"}) for i in range(40)))
+    assert all(status == 200 for status, _, _ in results)
+    idle_since = time.monotonic()
+    assert await tracked() == 40
+    deadline = idle_since + 1.0 + 3.0  # the window, plus slack for a loaded machine
+    while await tracked() > 0:
+        assert time.monotonic() < deadline, "idle users still tracked long after forget_users_after_s"
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - idle_since >= 0.9  # not before their window
+    assert st.state.admission.scheduler.users_forgotten == 40
 
 
 async def test_rate_limit_429_says_whether_the_user_or_the_group_limit_tripped(make_stack, http):

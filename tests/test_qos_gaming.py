@@ -439,6 +439,27 @@ def test_idle_users_are_forgotten_after_the_window_and_come_back_at_virtual_time
     assert h.s.counters()["old"] >= vt  # no credit from the reset
 
 
+def test_forget_idle_forgets_on_time_without_new_traffic():
+    """``next_forget_at`` says when the user idle longest is due; ``forget_idle`` at that
+    moment forgets exactly the users due, with no submit needed."""
+    h = Harness(pol(max_inflight=4, forget_users_after_s=3))
+    assert h.s.next_forget_at() is None
+    t0 = h.clock()
+    for i in range(20):
+        h.release_exact(h.submit(f"u{i}", 5))
+        h.clock.advance(0.1)
+    busy = h.submit("busy", 5)  # in flight: never forgotten
+    assert h.s.next_forget_at() == pytest.approx(t0 + 3)
+    h.clock.advance(t0 + 3 - h.clock())
+    assert h.s.forget_idle() == 1 and h.s.users_tracked == 20  # u0 only
+    assert h.s.next_forget_at() == pytest.approx(t0 + 3.1)
+    h.clock.advance(6)
+    assert h.s.forget_idle() == 19 and h.s.users_tracked == 1
+    assert h.s.next_forget_at() is None
+    h.release_exact(busy)
+    assert h.s.next_forget_at() == pytest.approx(h.clock() + 3)
+
+
 def test_users_with_requests_queued_or_in_flight_are_never_forgotten():
     h = Harness(pol(max_inflight=1, max_users=3, forget_users_after_s=1))
     keep = h.submit("busy", 10)
