@@ -2,15 +2,20 @@
 
 Usage::
 
-    python -m engine_server [--backend auto|cpu|lightllm] [--host 127.0.0.1] [--port 8001]
+    python -m engine_server [--backend auto|vllm|cpu|lightllm] [--host 127.0.0.1] [--port 8001]
                             [--model PATH] [--tp N] [--max-total-token-num N] [--nccl-port P]
+                            [--vllm-python PATH] [--vllm-kv-cache-gib N] [--max-model-len N]
                             [--cb-num-blocks N] [--cb-max-batch-tokens N] [--cache-dir PATH]
                             [--ready-timeout S] [--grace S] [--cpu-temperature T]
-                            [--crash-limit N] [--crash-window S]
+                            [--crash-limit N] [--crash-window S] [-- ENGINE ARGS...]
 
-``auto`` picks LightLLM when an NVIDIA GPU and the ``lightllm`` package are present, else the
-CPU engine (``transformers serve`` on SmolLM2-135M-Instruct, converted once into
-``--cache-dir``). When the engine answers a real generation, one line is printed on stdout::
+``auto`` picks LightLLM when an NVIDIA GPU and the ``lightllm`` package are present, else
+vLLM (:mod:`engine_server.vllm_backend`, its own environment) when it can run here, else
+``transformers serve`` (backend ``cpu``), with one log line saying why vLLM could not. The
+``vllm`` and ``cpu`` backends serve SmolLM2-135M-Instruct, converted once into
+``--cache-dir``, unless ``--model`` names a folder. Arguments after ``--`` are appended to the
+engine's own command line (e.g. ``-- --max-num-seqs 8`` for vLLM). When the engine answers a
+real generation, one line is printed on stdout::
 
     engine ready at http://127.0.0.1:8001 (backend=cpu, model=smollm2-135m-instruct)
 
@@ -39,21 +44,32 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import cpu_backend, cpu_model, lightllm_backend, readiness
+from . import cpu_backend, cpu_model, lightllm_backend, readiness, vllm_backend
 from .supervisor import RestartPolicy, Supervisor
 
 log = logging.getLogger("engine_server")
 
 EXIT_USAGE = 2
-DEFAULT_READY_TIMEOUT_S = {"cpu": 180.0, "lightllm": 1800.0}
+#: vLLM's first start compiles the model (~2 min on 2 idle cores, more when they are busy).
+DEFAULT_READY_TIMEOUT_S = {"cpu": 180.0, "vllm": 900.0, "lightllm": 1800.0}
 
 
-def choose_backend(requested: str = "auto") -> str:
-    """``cpu`` or ``lightllm``; ``auto`` = lightllm if a GPU and the package are present."""
+def choose_backend(requested: str = "auto", vllm_python: str | None = None) -> str:
+    """``vllm``, ``cpu`` or ``lightllm``: ``requested`` unless it is ``auto``.
+
+    ``auto``: ``lightllm`` when a GPU and the package are present; else ``vllm`` when
+    :func:`engine_server.vllm_backend.unavailable_reason` finds nothing against it (it runs
+    ``import vllm`` in vLLM's interpreter: a few seconds); else ``cpu``, with one WARNING
+    line on the ``engine_server`` logger saying why vLLM could not run.
+    """
     if requested != "auto":
         return requested
     if lightllm_backend.cuda_available() and lightllm_backend.lightllm_available():
         return "lightllm"
+    why = vllm_backend.unavailable_reason(vllm_python)
+    if why is None:
+        return "vllm"
+    log.warning("backend auto: vLLM cannot run here (%s); using transformers serve (backend cpu)", why)
     return "cpu"
 
 
@@ -61,15 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llm-qos engine", description="Start and supervise the LLM engine behind the QoS proxy."
     )
-    p.add_argument("--backend", choices=("auto", "cpu", "lightllm"), default="auto")
+    p.add_argument("--backend", choices=("auto", "vllm", "cpu", "lightllm"), default="auto")
     p.add_argument("--host", default="127.0.0.1", help="engine listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="engine listen port (default 8001)")
-    p.add_argument("--model", type=Path, help="model folder (required for lightllm; cpu: skips the conversion)")
+    p.add_argument("--model", type=Path, help="model folder (required for lightllm; vllm, cpu: skips the conversion)")
     p.add_argument("--tp", type=int, default=1, help="lightllm: tensor-parallel GPUs")
     p.add_argument("--max-total-token-num", type=int, default=0,
                    help="lightllm: KV cache budget in tokens (default 0: LightLLM sizes it from free GPU memory)")
     p.add_argument("--nccl-port", type=int, help="lightllm: NCCL port, checked free at start "
                    "(default: LightLLM v1.2.0 takes a free port itself)")
+    p.add_argument("--vllm-python", help=f"vllm: the interpreter that has vLLM (default ${vllm_backend.VLLM_PYTHON_ENV}, "
+                   "else <project>/.venv-vllm/bin/python, else this one if it has vllm)")
+    p.add_argument("--vllm-kv-cache-gib", type=_positive_int, default=vllm_backend.DEFAULT_KVCACHE_GIB,
+                   help="vllm on a CPU: KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE; default "
+                        f"{vllm_backend.DEFAULT_KVCACHE_GIB}; an explicit VLLM_CPU_KVCACHE_SPACE wins; ignored on a GPU)")
+    p.add_argument("--max-model-len", type=_positive_int, default=vllm_backend.DEFAULT_MAX_MODEL_LEN,
+                   help=f"vllm: context length in tokens (default {vllm_backend.DEFAULT_MAX_MODEL_LEN})")
     p.add_argument("--cb-num-blocks", type=int, default=64, help="cpu: KV cache blocks")
     p.add_argument("--cb-max-batch-tokens", type=int, default=512, help="cpu: tokens per batch step")
     p.add_argument("--cpu-temperature", type=float, default=0.0,
@@ -77,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "fixes the sampling of every later request; 0 = greedy (default)")
     p.add_argument("--cache-dir", type=Path, help="cpu: converted model folder "
                    "(default $LLM_QOS_CACHE/smollm2-135m-instruct or ~/.cache/llm-qos/...)")
-    p.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness (cpu 180, lightllm 1800)")
+    p.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness (cpu 180, vllm 900, lightllm 1800)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     add_restart_arguments(p)
     p.add_argument("--log-level", default="INFO")
@@ -119,13 +142,18 @@ def _run_loop(coro_factory: Callable[[], object]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args: list[str] = []
+    if "--" in argv:  # the rest goes to the engine's own command line
+        cut = argv.index("--")
+        argv, engine_args = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    backend = choose_backend(args.backend)
+    backend = choose_backend(args.backend, args.vllm_python)
     base_url = f"http://{args.host}:{args.port}"
     log.info("backend=%s (requested %s)", backend, args.backend)
 
@@ -137,11 +165,27 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         argv_child = cpu_backend.cpu_command(
             model_dir, args.host, args.port, args.cb_num_blocks, args.cb_max_batch_tokens
-        )
+        ) + engine_args
         env = cpu_backend.cpu_env()
         workdir: Path | None = cpu_backend.cpu_workdir(model_dir)
         model_name = cpu_backend.served_model_name(model_dir)
         probe: readiness.Probe = readiness.OpenAIProbe(base_url, model=model_name, temperature=args.cpu_temperature)
+    elif backend == "vllm":
+        try:
+            python = vllm_backend.find_vllm_python(args.vllm_python)
+            model_dir = args.model or cpu_model.prepare_cpu_model(args.cache_dir)
+        except (vllm_backend.VllmUnavailableError, cpu_model.ModelNotAvailableError) as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        model_name = Path(model_dir).expanduser().absolute().name
+        opts = vllm_backend.VllmOptions(
+            model_dir, args.host, args.port, served_name=model_name,
+            max_model_len=args.max_model_len, extra_args=engine_args,
+        )
+        argv_child = vllm_backend.vllm_command(opts, python)
+        env = vllm_backend.vllm_env(args.vllm_kv_cache_gib)
+        workdir = None
+        probe = readiness.VllmProbe(base_url, model=model_name)
     else:
         if args.model is None:
             log.error("--model is required with --backend lightllm")
@@ -153,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = lightllm_backend.LightLLMOptions(
             model_dir=args.model, host=args.host, port=args.port, tp=args.tp,
             max_total_token_num=args.max_total_token_num or None, nccl_port=args.nccl_port,
+            extra_args=engine_args,
         )
         try:
             argv_child = lightllm_backend.lightllm_command(opts)

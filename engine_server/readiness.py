@@ -10,6 +10,9 @@ batching only on the first request. So each probe makes a real one-token generat
   Caveat (transformers 5.24, continuous batching): the sampling settings of the FIRST request
   (temperature, top_p, do_sample) are fixed for every later request of that process. The probe
   is that first request, so its ``temperature`` decides how the engine samples (0 = greedy).
+* :class:`VllmProbe`: ``GET /v1/models`` must answer 200 listing the served model (vLLM
+  listens only once the model is loaded and compiled; its ``/health`` answers 200 with an
+  empty body), then a one-token ``POST /v1/chat/completions`` must answer 200 with ``choices``.
 * :class:`LightLLMProbe`: ``POST /generate`` ``{"inputs": "a", "parameters":
   {"max_new_tokens": 1}}`` must answer 200 with a JSON ``generated_text`` (the response has
   no Content-Type header; it is parsed anyway).
@@ -110,6 +113,32 @@ class OpenAIProbe:
             body["model"] = self.model
         if self.temperature is not None:
             body["temperature"] = self.temperature
+        async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+            answer = await _read_json(resp)
+        if not isinstance(answer, dict) or not answer.get("choices"):
+            raise ProbeRejectedError(f"chat completion without choices: {answer!r:.300}")
+
+
+@dataclass
+class VllmProbe:
+    """``GET /v1/models`` (200, lists ``model``) then a one-token greedy chat completion.
+
+    Attributes:
+        base_url: e.g. ``http://127.0.0.1:8001``.
+        model: the served model name (``--served-model-name``).
+    """
+
+    base_url: str
+    model: str
+
+    async def __call__(self, session: aiohttp.ClientSession) -> None:
+        base = self.base_url.rstrip("/")
+        async with session.get(f"{base}/v1/models") as resp:
+            listing = await _read_json(resp)
+        ids = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)] if isinstance(listing, dict) else []
+        if self.model not in ids:
+            raise ProbeRejectedError(f"/v1/models does not list {self.model!r}: {listing!r:.300}")
+        body = {"model": self.model, "messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "temperature": 0}
         async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
             answer = await _read_json(resp)
         if not isinstance(answer, dict) or not answer.get("choices"):

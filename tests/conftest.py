@@ -17,6 +17,7 @@ from proxy.app import create_app
 from proxy.config import config_digest, parse_config
 from proxy.handlers import STATE
 from proxy.state import ProxyState
+from tests.vllm_engine import vllm_engine  # noqa: F401  (session fixture: one real vLLM engine)
 
 
 def base_config(upstream_url: str, **admission: Any) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_server import cpu_backend, cpu_model, lightllm_backend, main
+from engine_server import cpu_backend, cpu_model, lightllm_backend, main, vllm_backend
 from tests.proc_util import free_port
 
 
@@ -102,21 +102,39 @@ def test_lightllm_command_rejects_bad_options(tmp_path: Path) -> None:
 
 
 def test_auto_backend_on_this_machine() -> None:
-    expected = "lightllm" if (lightllm_backend.cuda_available() and lightllm_backend.lightllm_available()) else "cpu"
+    if lightllm_backend.cuda_available() and lightllm_backend.lightllm_available():
+        expected = "lightllm"
+    else:
+        expected = "vllm" if vllm_backend.unavailable_reason() is None else "cpu"
     assert main.choose_backend("auto") == expected
-    if not lightllm_backend.lightllm_available():  # the CPU test machine
-        assert main.choose_backend("auto") == "cpu"
 
 
 @pytest.mark.parametrize(
-    ("cuda", "lightllm", "expected"),
-    [(True, True, "lightllm"), (True, False, "cpu"), (False, True, "cpu"), (False, False, "cpu")],
+    ("cuda", "lightllm", "vllm_why", "expected"),
+    [
+        (True, True, None, "lightllm"),
+        (True, False, None, "vllm"),
+        (False, True, None, "vllm"),
+        (False, False, None, "vllm"),
+        (True, False, "no vLLM environment", "cpu"),
+        (False, False, "this CPU has neither AVX2 nor AVX-512", "cpu"),
+    ],
 )
-def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch, cuda: bool, lightllm: bool, expected: str) -> None:
+def test_auto_backend_choice(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    cuda: bool, lightllm: bool, vllm_why: str | None, expected: str,
+) -> None:
     monkeypatch.setattr(lightllm_backend, "cuda_available", lambda: cuda)
     monkeypatch.setattr(lightllm_backend, "lightllm_available", lambda: lightllm)
-    assert main.choose_backend("auto") == expected
+    monkeypatch.setattr(vllm_backend, "unavailable_reason", lambda python=None: vllm_why)
+    with caplog.at_level("WARNING", logger="engine_server"):
+        assert main.choose_backend("auto") == expected
+    fallback = [r.getMessage() for r in caplog.records if "vLLM cannot run here" in r.getMessage()]
+    # one line saying why, only when transformers serve is chosen instead of vLLM
+    assert fallback == ([f"backend auto: vLLM cannot run here ({vllm_why}); using transformers serve (backend cpu)"]
+                        if expected == "cpu" else [])
     assert main.choose_backend("cpu") == "cpu"
+    assert main.choose_backend("vllm") == "vllm"
     assert main.choose_backend("lightllm") == "lightllm"
 
 
