@@ -53,6 +53,7 @@ from .router import EngineState, affinity_key
 from .sse import EventTooLarge
 from .state import ProxyState
 from .upstream import UpstreamError
+from .workers import whole_server_metrics
 from .upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
@@ -678,6 +679,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text format."""
-    body = request.app[STATE].metrics.render()
+    """``GET /metrics``: Prometheus text format; under ``--workers``, every worker's series
+    (:func:`proxy.workers.whole_server_metrics`)."""
+    body = await whole_server_metrics(request.app[STATE])
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

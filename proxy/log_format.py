@@ -7,6 +7,10 @@
   ``2026-01-02 03:04:05,678 INFO llm_qos.proxy message``; or, with ``--log-format json``,
   one JSON object per line: ``{"ts": ISO 8601 UTC, "level", "logger", "message"}`` plus
   ``"exc"`` (the formatted traceback) when there is one.
+
+Under ``llm-qos proxy --workers N`` every line of both logs says which worker wrote it
+(its index, 0..N-1, as the ``worker`` label of its metrics): ``worker=I`` after the
+logger's name in text, ``"worker": I`` in each JSON object (the access log's first key).
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as one line of JSON (see the module docstring)."""
+    """Formats a record as one line of JSON (see the module docstring).
+
+    Args:
+        worker: the worker's index under ``--workers``, or ``None`` (no ``worker`` key).
+    """
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -29,6 +41,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.worker is not None:
+            out["worker"] = self.worker
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
@@ -36,17 +50,36 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out).decode()
 
 
-def diagnostic_formatter(log_format: str) -> logging.Formatter:
-    """The formatter for ``--log-format`` ``text`` or ``json``.
+def diagnostic_formatter(log_format: str, worker: int | None = None) -> logging.Formatter:
+    """The formatter for ``--log-format`` ``text`` or ``json``; ``worker``: the index of
+    one of ``--workers`` processes, written on every line.
 
     Raises:
         ValueError: another format.
     """
     if log_format == "text":
-        return logging.Formatter(TEXT_FORMAT)
+        return logging.Formatter(TEXT_FORMAT if worker is None else f"%(asctime)s %(levelname)s %(name)s worker={worker} %(message)s")
     if log_format == "json":
-        return JsonFormatter()
+        return JsonFormatter(worker)
     raise ValueError(f"unknown log format {log_format!r} (text or json)")
 
 
+class _WorkerAccessFormatter(logging.Formatter):
+    """The access line's JSON object with ``"worker": I`` as its first key."""
+
+    def __init__(self, worker: int) -> None:
+        super().__init__("%(message)s")
+        self._prefix = f'{{"worker":{int(worker)},'
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = record.getMessage()
+        return self._prefix + line[1:] if line.startswith("{") and len(line) > 2 else line
+
+
 ACCESS_FORMATTER = logging.Formatter("%(message)s")
+
+
+def access_formatter(worker: int | None = None) -> logging.Formatter:
+    """The access log's formatter: the line as built; with ``worker`` (one of
+    ``--workers`` processes), ``"worker": I`` added to its JSON object."""
+    return ACCESS_FORMATTER if worker is None else _WorkerAccessFormatter(worker)

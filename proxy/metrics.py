@@ -13,6 +13,11 @@ reload removes are kept, frozen at their last value, until the process restarts:
 counter must never go backwards, and requests admitted in that group before the reload
 are still counted under it when they finish.
 
+Under ``llm-qos proxy --workers N`` every series also carries ``worker`` (the worker's
+index, 0..N-1): each worker renders its own registry with that label, and a scrape of
+``/metrics`` on the shared port answers with every worker's series
+(:func:`proxy.workers.whole_server_metrics`, merged by :func:`merge_expositions`).
+
 Only ``prometheus_client``'s public API is used. Its ``labels()`` validates and converts
 its arguments and takes a lock on every call (about 1 µs); :class:`LabelCache` keeps the
 child objects that public call returns, so the hot path pays one dict lookup
@@ -26,6 +31,7 @@ from typing import Callable, Generic, Iterable, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from qos import RefusalReason, Scheduler
@@ -202,6 +208,8 @@ class Metrics:
     Args:
         scheduler: returns the live scheduler, or the schedulers of every pool (read at
             scrape time; queue depths and counts are summed over them).
+        worker: this process's index among ``--workers`` processes, or ``None``: every
+            series it renders then carries the label ``worker``.
         groups: the configured group names; their zero series are created at once.
         clock: the scheduler's clock (monotonic seconds), for queue ages.
 
@@ -210,7 +218,14 @@ class Metrics:
     ``.labels(...)`` as on the metric; ``.metric`` is the metric itself).
     """
 
-    def __init__(self, scheduler: Callable[[], Scheduler | Iterable[Scheduler]], groups: Iterable[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        scheduler: Callable[[], Scheduler | Iterable[Scheduler]],
+        groups: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+        worker: int | None = None,
+    ) -> None:
+        self.worker = worker
         self.registry = r = CollectorRegistry()
         self.requests = LabelCache(Counter("llm_qos_requests", "Requests finished, by group and outcome.", ["group", "outcome"], registry=r))
         self.rejections = LabelCache(Counter("llm_qos_rejections", "Requests refused admission, by group and reason.", ["group", "reason"], registry=r))
@@ -240,5 +255,51 @@ class Metrics:
             self.ttft.labels(g)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric of this process (with the
+        label ``worker`` on every series when ``worker`` is set)."""
+        if self.worker is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, {"worker": str(self.worker)}))
+
+
+class _Labelled:
+    """A registry's families with ``labels`` added to every sample (for
+    ``generate_latest``, which only calls ``collect()``)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self):
+        for fam in self._registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in fam.samples]
+            yield out
+
+
+def merge_expositions(parts: Iterable[bytes]) -> bytes:
+    """Several Prometheus text expositions (format 0.0.4, as ``generate_latest`` writes
+    them: per family one ``# HELP`` line, one ``# TYPE`` line, then its samples) as one:
+    each family once, its header from the first part that has it, then the samples of
+    every part in order. The parts' series must differ by their labels (each worker's
+    carry its own ``worker``); nothing is summed. A part that is not in that shape (a
+    sample before any ``# HELP``) has those lines dropped. O(total size)."""
+    families: dict[bytes, list[bytes]] = {}
+    for part in parts:
+        lines: list[bytes] | None = None
+        for line in part.splitlines():
+            if not line:
+                continue
+            if line.startswith(b"# HELP "):
+                name = line.split(b" ", 3)[2]
+                lines = families.get(name)
+                if lines is None:
+                    lines = families[name] = [line]
+                continue
+            if line.startswith(b"# TYPE "):
+                if lines is not None and len(lines) == 1:
+                    lines.append(line)
+                continue
+            if lines is not None:
+                lines.append(line)
+    return b"".join(b"\n".join(lines) + b"\n" for lines in families.values())

@@ -19,6 +19,7 @@ from .app import create_app
 from .config import config_digest, parse_config
 from .config_watch import reload_config, watch_config
 from .handlers import STATE
+from .workers import start_worker_socket
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -53,6 +54,7 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=worker is not None)
     await site.start()
+    own_metrics = await start_worker_socket(state)  # --workers: this worker's series for the others' scrapes
     # the signal handlers before the ready line: a SIGTERM right after it must drain
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -64,7 +66,7 @@ async def serve(
     if worker is None:
         print(f"llm-qos proxy ready on http://{host}:{port} -> {where}", flush=True)
     else:
-        print(f"llm-qos proxy worker {worker[0] + 1}/{worker[1]} (pid {os.getpid()}) ready on http://{host}:{port}", flush=True)
+        print(f"llm-qos proxy worker {worker[0]} (of {worker[1]}, pid {os.getpid()}) ready on http://{host}:{port}", flush=True)
 
     # everything allocated at start-up lives as long as the process: keep it out of the
     # collector's full passes, which otherwise stall the loop for ~0.1-0.4 s at depth
@@ -81,6 +83,8 @@ async def serve(
         if watcher is not None:
             watcher.cancel()
         await runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout
+        if own_metrics is not None:
+            await own_metrics.cleanup()
         for h in logging.getLogger("llm_qos.access").handlers:
             h.flush()
         log.info("proxy stopped")
@@ -90,10 +94,12 @@ ACCESS_LOG_BUFFER = 256  # lines
 ACCESS_LOG_FLUSH_S = 1.0
 
 
-def configure_logging(log_format: str = "text", access_log: str | None = None) -> logging.handlers.MemoryHandler:
+def configure_logging(log_format: str = "text", access_log: str | None = None, worker: int | None = None) -> logging.handlers.MemoryHandler:
     """Set up the two logs (:mod:`proxy.log_format`): the diagnostic log on stderr as
     ``log_format`` (``text`` or ``json``); the access log, one JSON object per line, on
     stderr or appended to the file ``access_log`` (reopened when logrotate moves it).
+    ``worker``: the index of one of ``--workers`` processes, carried by every line of
+    both logs.
 
     The access log is buffered like nginx's ``access_log ... buffer= flush=``: written in
     batches of ``ACCESS_LOG_BUFFER`` lines, and at least every ``ACCESS_LOG_FLUSH_S``
@@ -107,7 +113,7 @@ def configure_logging(log_format: str = "text", access_log: str | None = None) -
     import logging.handlers
 
     diagnostic = logging.StreamHandler(sys.stderr)
-    diagnostic.setFormatter(log_format_module.diagnostic_formatter(log_format))
+    diagnostic.setFormatter(log_format_module.diagnostic_formatter(log_format, worker))
     logging.basicConfig(level=logging.INFO, handlers=[diagnostic], force=True)
     # the record fields we never print cost a lookup each per log line
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
@@ -116,7 +122,7 @@ def configure_logging(log_format: str = "text", access_log: str | None = None) -
         target: logging.Handler = logging.StreamHandler(sys.stderr)
     else:
         target = logging.handlers.WatchedFileHandler(access_log, encoding="utf-8")
-    target.setFormatter(log_format_module.ACCESS_FORMATTER)
+    target.setFormatter(log_format_module.access_formatter(worker))
     access = logging.getLogger("llm_qos.access")
     for h in list(access.handlers):
         access.removeHandler(h)
@@ -149,7 +155,7 @@ def run(
     from .config import ConfigError
 
     try:
-        configure_logging(log_format, access_log)
+        configure_logging(log_format, access_log, worker[0] if worker else None)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,7 +87,7 @@ class ProxyState:
         if not standalone:
             self.admission.on_wait = self.shared.request_sync
             self.leases = LeaseBinding(self.shared, self._bound_pools)
-        self.metrics = Metrics(lambda: [p.scheduler for p in self.admission.all_pools()], (g.name for g in config.groups))
+        self.metrics = Metrics(lambda: [p.scheduler for p in self.admission.all_pools()], (g.name for g in config.groups), worker=worker[0] if worker else None)
         engine_metrics.register(self.metrics.registry, self.admission.routers)
         self.metrics.registry.register(SharedStateCollector(self.shared, self._lease_keys))
         self.health: HealthChecker | None = None  # created on startup, inside the loop

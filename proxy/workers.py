@@ -16,21 +16,110 @@ replicas of one deployment (``docs/scaling.md``): each loads the whole config, t
 engines' capacity is leased per engine through Redis and the rate limits are reserved
 there, so the totals hold across workers; a worker that cannot reach Redis takes its
 local share (capacity and limits ÷ live replicas, at least N).
+
+**Metrics: every scrape shows the whole server.** The kernel gives a scrape of
+``/metrics`` to any one worker, so each worker also serves its own exposition on a Unix
+socket, ``worker-I.sock`` in a private directory the supervisor makes (mode 0700, named
+to the workers by :data:`WORKER_DIR_ENV`, removed at exit), and the worker that takes a
+scrape answers with its own series and every other worker's, fetched over those sockets
+(:func:`whole_server_metrics`). Every series carries ``worker="I"`` (0..N-1), so
+``sum without (worker)`` gives the server's totals, and a worker restarted after a crash
+starts its counters at 0 as any restarted target does (``rate()`` handles the reset).
+``llm_qos_worker_up{worker}`` says which workers answered that scrape (a worker that
+does not answer within :data:`PEER_TIMEOUT_S`, e.g. while it restarts, is left out).
+prometheus-client's multiprocess mode was not used: it aggregates only the counters,
+histograms and gauges it writes to files, not the collectors that read the live
+schedulers, engines and shared state at scrape time (queue depths, engine state, grants).
+Log lines of a worker carry its index too (:mod:`proxy.log_format`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
+
+import aiohttp
+from aiohttp import web
 
 from .config import ConfigError, load_config
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 READY_MARK = "llm-qos proxy ready on "
+WORKER_DIR_ENV = "LLM_QOS_WORKER_DIR"  # the supervisor's private directory of the workers' sockets
+PEER_TIMEOUT_S = 2.0  # how long a scrape waits for another worker's series
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def socket_path(directory: str, index: int) -> str:
+    """The Unix socket on which worker ``index`` serves its own ``/metrics``."""
+    return os.path.join(directory, f"worker-{index}.sock")
+
+
+async def start_worker_socket(state) -> web.AppRunner | None:
+    """Serve this worker's own ``GET /metrics`` (its series only, labelled ``worker``)
+    on its Unix socket, when it is one of ``--workers`` processes started by the
+    supervisor (``state.worker`` set and :data:`WORKER_DIR_ENV` in the environment).
+    Returns the runner to clean up at exit, or ``None``.
+
+    Raises:
+        OSError: the socket cannot be bound."""
+    directory = os.environ.get(WORKER_DIR_ENV)
+    if state.worker is None or not directory:
+        return None
+    path = socket_path(directory, state.worker[0])
+
+    async def own(request: web.Request) -> web.Response:
+        return web.Response(body=state.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", own)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # left by this index's previous process (restarted)
+    await web.UnixSite(runner, path).start()
+    return runner
+
+
+async def _peer_metrics(path: str) -> bytes | None:
+    """Another worker's own exposition over its socket, or ``None`` (not answering)."""
+    try:
+        async with asyncio.timeout(PEER_TIMEOUT_S):
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as s:
+                async with s.get("http://worker/metrics") as r:
+                    if r.status != 200:
+                        return None
+                    return await r.read()
+    except (OSError, aiohttp.ClientError, TimeoutError):
+        return None
+
+
+async def whole_server_metrics(state) -> bytes:
+    """The body of ``GET /metrics``: this process's exposition; for one of ``--workers``
+    processes, every worker's series (each labelled ``worker``) in one exposition, with
+    ``llm_qos_worker_up{worker}`` 1 for each worker that answered (see the module
+    docstring). Never raises: a worker that does not answer is left out (0)."""
+    from .metrics import merge_expositions
+
+    directory = os.environ.get(WORKER_DIR_ENV)
+    own = state.metrics.render()
+    if state.worker is None or not directory:
+        return own
+    index, count = state.worker
+    others = [i for i in range(count) if i != index]
+    got = await asyncio.gather(*(_peer_metrics(socket_path(directory, i)) for i in others))
+    up = {index: True, **{i: body is not None for i, body in zip(others, got)}}
+    lines = [b"# HELP llm_qos_worker_up 1 for each worker whose series this scrape holds, 0 for one that did not answer in time.", b"# TYPE llm_qos_worker_up gauge"]
+    lines += [b'llm_qos_worker_up{worker="%d"} %d.0' % (i, up[i]) for i in range(count)]
+    return merge_expositions([own, *(body for body in got if body is not None), b"\n".join(lines) + b"\n"])
 
 
 def check_workers(config_path: str, port: int, workers: int) -> str | None:
@@ -70,6 +159,8 @@ class Supervisor:
 
     def __init__(self, argv: list[str], workers: int, url: str) -> None:
         self.argv = argv
+        self.directory = tempfile.mkdtemp(prefix="llm-qos-workers-")  # mode 0700
+        self.env = {**os.environ, WORKER_DIR_ENV: self.directory}
         self.workers = workers
         self.url = url
         self.procs: list[asyncio.subprocess.Process | None] = [None] * workers
@@ -80,7 +171,7 @@ class Supervisor:
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
-            *self.argv, "--worker-index", str(index), stdout=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent
+            *self.argv, "--worker-index", str(index), stdout=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent, env=self.env
         )
         self.procs[index] = proc
         self.ready[index] = False
@@ -153,6 +244,7 @@ class Supervisor:
                     except TimeoutError:
                         p.kill()
                         await p.wait()
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def supervise(

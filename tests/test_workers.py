@@ -5,6 +5,7 @@ SIGHUP, a SIGKILLed worker is restarted, and SIGTERM stops them all."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import redis
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fake_upstream import make_app
 from proxy.shared.keys import Keys
@@ -123,3 +125,62 @@ async def test_two_workers_share_one_port_reload_together_and_survive_a_kill(aio
         code = stop_proxy(proc)
     assert code == 0
     assert not _children(proc.pid)
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """``{worker: value}`` of the samples named ``name``, summed per ``worker`` label."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                out[s.labels["worker"]] = out.get(s.labels["worker"], 0.0) + s.value
+    return out
+
+
+async def test_every_scrape_of_two_workers_shows_the_whole_server_and_logs_say_which_worker(aiohttp_server, redis_server, tmp_path):
+    """Four scrapes in a row read requests_total 4, 2, 4, 4 when each came from one worker:
+    every scrape now holds both workers' series, each labelled ``worker``, whose sum is
+    every request served; every log line names its worker."""
+    up = await aiohttp_server(make_app(0.0, 0.0))
+    cfg = base_config(str(up.make_url("")).rstrip("/"), max_inflight=5)
+    cfg["shared_state"] = {"url": redis_server.url, "key_prefix": "wmetrics", "lease_s": 1.0, "sync_interval_s": 0.1}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_proxy(path, port, None, 60.0, ["--workers", "2", "--no-watch", "--log-format", "json"])
+    try:
+        sent = 8
+        for _ in range(sent):  # a new connection each: the kernel spreads them over the workers
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as r:
+                    assert r.status == 200
+        for _ in range(8):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.get(f"{url}/metrics") as r:
+                    assert r.status == 200
+                    text = await r.text()
+            ok = _series_labelled(text, "llm_qos_requests_total", group="bronze", outcome="ok")
+            assert set(ok) == {"0", "1"} and sum(ok.values()) == sent, ok
+            assert _series(text, "llm_qos_worker_up") == {"0": 1.0, "1": 1.0}
+            assert set(_series(text, "llm_qos_inflight_requests")) == {"0", "1"}  # the live collectors too
+            types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+            assert len(types) == len(set(types)), "each family once"
+    finally:
+        code = stop_proxy(proc)
+    assert code == 0
+    lines = [line for line in proc.log_path.read_text().splitlines() if line.startswith("{")]
+    access = [json.loads(line) for line in lines if '"request_id"' in line]
+    assert len(access) == sent and {a["worker"] for a in access} <= {0, 1} and all("status" in a for a in access)
+    diagnostic = [json.loads(line) for line in lines if '"logger"' in line]
+    assert diagnostic and {d["worker"] for d in diagnostic} == {0, 1}
+
+
+def _series_labelled(text: str, name: str, **labels: str) -> dict[str, float]:
+    """``{worker: value}`` of the samples of ``name`` that have ``labels``."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                out[s.labels["worker"]] = out.get(s.labels["worker"], 0.0) + s.value
+    return out
