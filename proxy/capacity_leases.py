@@ -12,9 +12,14 @@ key, from the pool's scheduler and the engine: the units in flight on that engin
 the lease invariant rests on it), and per priority class the units of that class in
 flight there, the units waiting in the pool's queue (a request waits for the pool, not an
 engine, so every engine of the pool reports the pool's waiting units: the plan caps each
-engine's target at its capacity anyway), and the summed weight of the class's users with
+engine's target at its capacity anyway), the summed weight of the class's users with
 requests waiting (0 when none wait: then the class only keeps what weighted demand
-leaves, as :mod:`proxy.shared.leases` plans it).
+leaves, as :mod:`proxy.shared.leases` plans it), and the class's ``min_share`` (its floor
+in the plan). An engine this replica cannot dispatch to (``in_rotation`` false: ejected
+by its own health checks, or draining after a reload) is reported closed, with its
+units in flight and no demand: the plan gives this replica nothing there, so its share
+goes to the replicas that can use the engine, and the claim it keeps is what it still
+runs there. It opens again at the first sync after the engine is back in rotation.
 
 When grants change (:meth:`LeaseBinding.apply`) each engine's lease is set to its grant
 (:meth:`LeasedEngine.set_lease`: the engine's capacity becomes ``min(max_inflight, load
@@ -31,8 +36,8 @@ users' counters (:meth:`LeaseBinding.fold_remote` → :meth:`qos.Scheduler.charg
 so every replica orders its queue by service rendered everywhere, one sync interval late.
 
 The binding needs one narrow hook of the capacity model: something per engine that has
-``max_inflight``, ``max_inflight_tokens``, ``inflight``, ``inflight_tokens`` and
-``set_lease(slots, tokens)`` (:class:`LeasedEngine`: the router's
+``max_inflight``, ``max_inflight_tokens``, ``in_rotation``, ``inflight``, ``inflight_tokens``
+and ``set_lease(slots, tokens)`` (:class:`LeasedEngine`: the router's
 :class:`proxy.router.EngineState`), and a way to tell which engine a ticket in flight is on
 (``ticket.placement``). A new engine must start with a lease of 0 when leases are in force
 (:class:`proxy.router.PoolRouter` ``leased=True``), so nothing is placed there before the
@@ -63,6 +68,11 @@ class LeasedEngine(Protocol):
     @property
     def max_inflight_tokens(self) -> int | None:
         """Reserved tokens it may hold at once, or ``None``."""
+
+    @property
+    def in_rotation(self) -> bool:
+        """Whether this process may place requests there now (not ejected by its health
+        checks, not draining); one that is not claims only what it has in flight."""
 
     @property
     def inflight(self) -> int:
@@ -164,13 +174,18 @@ class LeaseBinding:
                 c = index.get(t.group, n - 1)  # a class a reload removed: count it lowest
                 counts[0][c] += 1
                 counts[1][c] += t.reserved_tokens
+            floors = {g.name: g.min_share for g in sched.policy.groups}
             for e in engines:
                 reqs, toks = per[id(e)]
-                demand = tuple(ClassDemand(reqs[c], loads[c][1], loads[c][3] if loads[c][1] else 0.0) for c in range(n))
-                reports.append(CapacityReport(slots_key(pool.name, e.name), e.max_inflight, e.inflight, demand))
+                # an engine this replica cannot dispatch to (ejected by its health checks,
+                # draining after a reload) claims only what it has in flight there: no
+                # demand, and closed, so the plan gives it nothing that would sit idle
+                usable = getattr(e, "in_rotation", True)
+                slots = _demand(loads, floors, reqs, 1) if usable else ()
+                reports.append(CapacityReport(slots_key(pool.name, e.name), e.max_inflight, e.inflight, slots, usable))
                 if e.max_inflight_tokens is not None:
-                    demand = tuple(ClassDemand(toks[c], loads[c][2], loads[c][3] if loads[c][1] else 0.0) for c in range(n))
-                    reports.append(CapacityReport(tokens_key(pool.name, e.name), e.max_inflight_tokens, e.inflight_tokens, demand))
+                    tokens = _demand(loads, floors, toks, 2) if usable else ()
+                    reports.append(CapacityReport(tokens_key(pool.name, e.name), e.max_inflight_tokens, e.inflight_tokens, tokens, usable))
             users = sched.waiting_users()
             if users:
                 waiting[pool.name] = users
@@ -187,6 +202,16 @@ class LeaseBinding:
             sched = by_name.get(pool)
             if sched is not None:
                 sched.charge_remote(user, cost)
+
+
+def _demand(loads: list, floors: dict[str, float], units: list[int], waiting_col: int) -> tuple[ClassDemand, ...]:
+    """Per class (``loads``: :meth:`qos.Scheduler.class_loads`): its units in flight on
+    the engine (``units``), waiting in the pool (column ``waiting_col`` of ``loads``: 1
+    requests, 2 tokens), the summed weight of its waiting users, and its floor."""
+    return tuple(
+        ClassDemand(units[c], row[waiting_col], row[3] if row[1] else 0.0, floors.get(row[0], 0.0))
+        for c, row in enumerate(loads)
+    )  # fmt: skip
 
 
 def _reporter(shared, pool: str) -> Callable[[str, float], None]:

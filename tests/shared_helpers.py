@@ -35,13 +35,17 @@ class SimReplica:
         self.inflight = [0] * classes
         self.waiting = [0] * classes
         self.weight = [1.0] * classes
+        self.min_share = [0.0] * classes
+        self.open = True  # False: this replica cannot dispatch to the resource now
         self.dispatched = [0] * classes
         state.set_reporter(self.report)
         state.set_on_change(self.fill)
 
     def report(self) -> SyncReport:
-        demand = tuple(ClassDemand(f, w, self.weight[c] if w else 0.0) for c, (f, w) in enumerate(zip(self.inflight, self.waiting)))
-        return SyncReport((CapacityReport(KEY, self.capacity, sum(self.inflight), demand),))
+        demand = tuple(ClassDemand(f, w, self.weight[c] if w else 0.0, self.min_share[c]) for c, (f, w) in enumerate(zip(self.inflight, self.waiting)))
+        if not self.open:
+            demand = ()
+        return SyncReport((CapacityReport(KEY, self.capacity, sum(self.inflight), demand, self.open),))
 
     @property
     def total_inflight(self) -> int:
@@ -58,7 +62,7 @@ class SimReplica:
 
     def fill(self) -> None:
         """Dispatch waiting work, highest class first, while in flight < grant."""
-        grant = self.state.grant(KEY)
+        grant = self.state.grant(KEY) if self.open else 0
         for c in range(len(self.waiting)):
             while self.waiting[c] and self.total_inflight < grant:
                 self.waiting[c] -= 1

@@ -3,6 +3,8 @@ capacity under a lease, a leased router's new engines, and what a replica report
 
 from __future__ import annotations
 
+import dataclasses
+
 import yaml
 
 from proxy.capacity_leases import BoundPool, LeaseBinding
@@ -88,3 +90,56 @@ def test_the_binding_reports_per_engine_and_class_and_applies_grants():
     rep = binding.report()
     assert [(d.inflight, d.waiting) for d in rep.capacity[0].demand] == [(1, 0), (0, 1)]
     assert rep.capacity[0].inflight == 1 and rep.capacity[1].inflight == 0
+
+
+def test_an_engine_this_replica_cannot_use_is_reported_closed_with_only_its_in_flight():
+    """Issue 21.2: an engine ejected by this replica's own health checks, or draining after
+    a reload, claims only what runs there: reported closed, no demand (the pool's queue
+    is not demand on it), its in flight still exact; back in rotation, it is open again."""
+    config, spec = _pool()
+    router = PoolRouter(spec, leased=True)
+    from proxy.router import PoolCapacity
+
+    sched = Scheduler(config.to_policy(), capacity=PoolCapacity(router))
+    shared = Grants()
+    binding = LeaseBinding(shared, lambda: [BoundPool("p", sched, router.engines.values, lambda t: t.placement)])
+    shared.granted = {"p/a:slots": 1, "p/b:slots": 0}
+    binding.apply()
+    sched.submit("carl", None, 10, 0)  # runs on a
+    for _ in range(3):
+        sched.submit("carl", None, 10, 0)  # wait: the pool is full
+    a = router.engines["a"]
+    assert a.inflight == 1 and sched.queued == 3
+    for _ in range(a.health.config.checks_to_eject):
+        a.health.record_check(False, "503")
+    assert not a.in_rotation
+    by_key = {c.key: c for c in binding.report().capacity}
+    assert (by_key["p/a:slots"].open, by_key["p/a:slots"].inflight, by_key["p/a:slots"].demand) == (False, 1, ())
+    b = by_key["p/b:slots"]
+    assert b.open and sum(d.waiting for d in b.demand) == 3  # the queue is demand on b only
+    # back in rotation (a probe passed): open again, with the pool's waiting units
+    a.health.ejected_until = 0.0
+    a.health.record_check(True)
+    assert a.in_rotation
+    by_key = {c.key: c for c in binding.report().capacity}
+    assert by_key["p/a:slots"].open and sum(d.waiting for d in by_key["p/a:slots"].demand) == 3
+    # removed by a reload while a request still runs there: draining, closed
+    router.reconfigure(dataclasses.replace(spec, engines=tuple(e for e in spec.engines if e.name == "b")))
+    assert a.draining
+    by_key = {c.key: c for c in binding.report().capacity}
+    assert (by_key["p/a:slots"].open, by_key["p/a:slots"].inflight, by_key["p/a:slots"].demand) == (False, 1, ())
+
+
+def test_the_binding_reports_each_class_min_share():
+    """Issue 21.1: the floor travels with the demand, per class, for the shared plan."""
+    cfg = base_config("http://127.0.0.1:9")
+    cfg["groups"][-1]["min_share"] = 0.3
+    config = parse_config(yaml.safe_dump(cfg))
+    spec = config.effective_pools()[0]
+    router = PoolRouter(spec, leased=True)
+    from proxy.router import PoolCapacity
+
+    sched = Scheduler(config.to_policy(), capacity=PoolCapacity(router))
+    binding = LeaseBinding(Grants(), lambda: [BoundPool(spec.name, sched, router.engines.values, lambda t: t.placement)])
+    demand = binding.report().capacity[0].demand
+    assert [d.min_share for d in demand] == [g.min_share for g in config.groups] and demand[-1].min_share == 0.3

@@ -38,12 +38,14 @@ class _Sim:
         self.inflight = [0] * CLASSES
         self.waiting = [0] * CLASSES
         self.weight = [1.0] * CLASSES
+        self.min_share = [0.0] * CLASSES
+        self.open = True
         self.alive = True
         self.pending: list | None = None  # ["built", keys, body] or ["replied", keys, grants]
 
     def report(self, capacity: int) -> CapacityReport:
-        demand = tuple(ClassDemand(f, w, self.weight[c] if w else 0.0) for c, (f, w) in enumerate(zip(self.inflight, self.waiting)))
-        return CapacityReport(KEY, capacity, sum(self.inflight), demand)
+        demand = tuple(ClassDemand(f, w, self.weight[c] if w else 0.0, self.min_share[c]) for c, (f, w) in enumerate(zip(self.inflight, self.waiting)))
+        return CapacityReport(KEY, capacity, sum(self.inflight), demand if self.open else (), self.open)
 
 
 def test_lease_invariant_holds_under_random_interleavings(redis_server):
@@ -71,12 +73,24 @@ def test_lease_invariant_holds_under_random_interleavings(redis_server):
             s.waiting[cls] += k
             s.weight[cls] = w
 
+        @rule(floors=st.sampled_from([(0.0, 0.0, 0.0), (0.0, 0.3, 0.2), (0.0, 0.0, 0.5), (0.5, 0.0, 0.5), (0.1, 0.1, 0.1)]))
+        def set_floors(self, floors):
+            """The groups' min_share (every replica's config alike, as after a reload)."""
+            for s in self.sims:
+                s.min_share = list(floors)
+
+        @rule(i=st.integers(0, 3))
+        def toggle_open(self, i):
+            """The replica's health checks eject the engine, or a probe readmits it."""
+            s = self.sims[i % len(self.sims)]
+            s.open = not s.open
+
         @rule(i=st.integers(0, 3), k=st.integers(1, 4))
         def dispatch(self, i, k):
             s = self.sims[i % len(self.sims)]
             for _ in range(k):
                 cls = next((c for c in range(CLASSES) if s.waiting[c]), None)
-                if not s.alive or cls is None or sum(s.inflight) >= s.table.grant(KEY):
+                if not s.alive or not s.open or cls is None or sum(s.inflight) >= s.table.grant(KEY):
                     return
                 s.waiting[cls] -= 1
                 s.inflight[cls] += 1
@@ -227,6 +241,70 @@ async def test_replicas_at_one_priority_share_in_proportion_to_their_weights(rep
         await wait_for(lambda: claims([a, b]) <= 8, 1, "claims")
     await wait_for(lambda: (a.total_inflight, b.total_inflight) == (6, 2), 5, "6 and 2 in flight", check=lambda: _within(a, b))
     assert (a.state.grant(KEY), b.state.grant(KEY)) == (6, 2)
+
+
+async def test_a_min_share_floor_holds_across_replicas(replicas):
+    """Issue 21.1: bronze (min_share 0.3) waits on B only while gold keeps A busy: the
+    plan holds ceil(0.3 x 10) = 3 units of the engine for B's bronze, before strict
+    priority; gold gets the other 7 (was: bronze got nothing while gold waited)."""
+    a, b = await replicas(2, 10)
+    for s in (a, b):
+        s.min_share[2] = 0.3
+    a.arrive(cls=1, n=500)  # gold: more than the engine holds
+    await wait_for(lambda: a.total_inflight == 10, 5, "A to fill the engine with gold", check=lambda: _within(a, b))
+    b.arrive(cls=2, n=100)  # bronze arrives on B
+    await wait_for(lambda: a.state.grant(KEY) == 7, 5, "A's grant to leave bronze its floor", check=lambda: _within(a, b))
+    for _ in range(20):  # A's gold requests finish one by one, B's bronze ones too
+        a.complete(cls=1)
+        b.complete(cls=2)
+        await wait_for(lambda: claims([a, b]) <= 10, 1, "claims")
+    await wait_for(lambda: (a.total_inflight, b.total_inflight) == (7, 3), 5, "7 gold and 3 bronze in flight", check=lambda: _within(a, b))
+    assert (a.state.grant(KEY), b.state.grant(KEY)) == (7, 3)
+    assert a.waiting[1] > 0 and b.waiting[2] > 0  # both still backlogged: the floor, not spare
+    # no floor: strict priority as before, bronze gets nothing while gold waits
+    for s in (a, b):
+        s.min_share[2] = 0.0
+    await wait_for(lambda: b.state.grant(KEY) == 0, 5, "bronze's grant to go without a floor", check=lambda: _within(a, b))
+
+
+async def test_a_floor_rounds_up_and_the_higher_floors_come_first(replicas):
+    """ceil(m x C) units: two floors of 0.5 on 3 slots want 2 + 2 > 3: the higher class's
+    floor first (2: 0.5 x 3 rounded up), the lower gets the 1 left (not 0 as strict
+    priority would give it)."""
+    a, b = await replicas(2, 3)
+    for s in (a, b):
+        s.min_share[1] = 0.5
+        s.min_share[2] = 0.5
+    a.arrive(cls=1, n=50)
+    b.arrive(cls=2, n=50)
+    for _ in range(10):  # requests finish one by one on both; the plan holds 2 and 1
+        synced = a.state.syncs + 2
+        await wait_for(lambda: a.state.syncs >= synced, 5, "two syncs", check=lambda: _within(a, b))
+        a.complete(cls=1)
+        b.complete(cls=2)
+    await wait_for(lambda: (a.total_inflight, b.total_inflight) == (2, 1), 5, "2 and 1 in flight", check=lambda: _within(a, b))
+    assert (a.state.grant(KEY), b.state.grant(KEY)) == (2, 1)
+
+
+async def test_a_replica_that_cannot_use_the_engine_is_planned_nothing(replicas):
+    """Issue 21.2: a replica reporting the engine closed (ejected by its own health checks,
+    or draining) gets no grant there, not even spare, while its in flight still counts;
+    the other replica gets the rest at once and all of it once that in flight is done."""
+    a, b = await replicas(2, 2)
+    await wait_for(lambda: (a.state.grant(KEY), b.state.grant(KEY)) == (1, 1), 5, "the idle split")
+    a.arrive(cls=2, n=1)
+    assert a.total_inflight == 1
+    a.open = False  # A's health checks eject the engine; its request still runs there
+    a.arrive(cls=2, n=10)  # more waits on A (for another engine)
+    b.arrive(cls=2, n=1)
+    await wait_for(lambda: a.state.grant(KEY) == 0, 5, "A's grant to go", check=lambda: _within(a, b))
+    a.complete(cls=2)  # A's last request there finishes: the spare goes to B, not to A
+    await wait_for(lambda: b.state.grant(KEY) == 2, 5, "B to get the whole engine", check=lambda: _within(a, b))
+    assert a.state.grant(KEY) == 0
+    b.arrive(cls=2, n=1)
+    assert b.total_inflight == 2  # at once, from the spare
+    a.open = True  # back in rotation: A's demand counts again
+    await wait_for(lambda: b.state.grant(KEY) < 2, 5, "A's demand to count again", check=lambda: _within(a, b))
 
 
 async def test_a_stopped_replica_gives_its_capacity_back_at_once(replicas):

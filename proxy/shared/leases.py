@@ -20,14 +20,22 @@ nothing until F drains below it); the claim, and so the capacity it holds, falls
 falls and once the replica has confirmed the lower grant at its next sync. New room comes
 only from units that are truly free.
 
-**The plan** (who should hold what), computed from all live replicas' reports:
-strict priority as a water-fill cascade. For class 0 (highest), every replica wants its
-in-flight plus waiting units of that class; the capacity is divided in proportion to the
-replicas' weights (max-min fair: nobody gets more than it wants, the rest goes to the
-others), the remainder goes to class 1, and so on. Whatever is left after every class is
-spare, split evenly, so a replica can dispatch a new arrival without waiting for a sync.
-Thus a platinum request waiting on replica A shrinks the targets of replicas that serve
-only bronze, and the slots they free go to A.
+**The plan** (who should hold what), computed from the reports of the live replicas that
+can dispatch to the resource (a report with ``open`` false, an engine this replica has
+ejected or is draining, is planned nothing). First the floors: a class with ``min_share``
+m > 0 gets up to ceil(m × C) units, divided among the replicas where it has units in
+flight or waiting as below (m is the smallest any replica reports for the class; the
+floors fit in C because the config keeps their sum at most 1, and when their ceilings
+do not, the higher classes' floors come first). Then strict priority as a water-fill
+cascade: for class 0 (highest), every replica wants its in-flight plus waiting units of
+that class (less what its floor gave); the rest of the capacity is divided in proportion
+to the replicas' weights (max-min fair: nobody gets more than it wants, the rest goes to
+the others), the remainder goes to class 1, and so on. Whatever is left after every class
+is spare, split evenly among the open replicas, so a replica can dispatch a new arrival
+without waiting for a sync. Thus a platinum request waiting on replica A shrinks the
+targets of replicas that serve only bronze, and the slots they free go to A; and a bronze
+class with ``min_share`` 0.3 waiting on B keeps ceil(0.3 × C) units at B while gold fills
+the rest from A.
 
 **Liveness.** A replica renews its lease (``{P}:replicas``, score = Redis ``TIME`` +
 lease) at every sync; one that stops (SIGKILL) is dropped, with its claims, by the first
@@ -58,8 +66,9 @@ LEASE_SCRIPT = r"""
 -- ARGV[1] replica id
 -- ARGV[2] lease (ms)
 -- ARGV[3] keep (ms): idle lifetime of the keys written here
--- ARGV[4] JSON list aligned with KEYS[3..]: [C, applied, inflight, [[inflight, waiting, weight], ...]]
---         per capacity key, highest class first; 0 removes this replica from that key
+-- ARGV[4] JSON list aligned with KEYS[3..]: [C, applied, inflight, [[inflight, waiting, weight, min_share], ...], open]
+--         per capacity key, highest class first (open 0: this replica cannot dispatch there
+--         now, plan it nothing); 0 removes this replica from that key
 -- ARGV[5] 'sync' | 'rejoin' (back from a local fallback share: open a rebuild window) | 'leave'
 -- returns JSON {g = [grant per key], c = [capacity per key], n = live replicas, rank = 0-based
 --               position of this replica among the live ids, rebuild = 0|1}
@@ -139,44 +148,78 @@ local function integerize(parts, total)
   return given
 end
 
--- targets for all entries (sorted by id) out of capacity C
+-- the parts of level `lvl` that want units now: {id, want, w}, weighted ones and weight-0 ones
+local function parts_at(open, want, lvl)
+  local pos, zero = {}, {}
+  for _, e in ipairs(open) do
+    local d = e.d[lvl]
+    local wt = want[e.id][lvl]
+    if d and wt > 0 then
+      local w = tonumber(d[3]) or 0
+      if w > 0 then table.insert(pos, {id = e.id, want = wt, w = w})
+      else table.insert(zero, {id = e.id, want = wt, w = 1}) end
+    end
+  end
+  return pos, zero
+end
+
+-- targets for all entries (sorted by id) out of capacity C. Only open entries (o ~= 0: the
+-- replica can dispatch to the resource) are planned; a closed one's target is 0 (its claim
+-- still counts what it has in flight there).
 local function plan(entries, C)
-  local target = {}
+  local target, want, open = {}, {}, {}
   local levels = 0
   for _, e in ipairs(entries) do
     target[e.id] = 0
-    if #e.d > levels then levels = #e.d end
+    if e.o ~= 0 then
+      table.insert(open, e)
+      want[e.id] = {}
+      for lvl, d in ipairs(e.d) do
+        want[e.id][lvl] = (tonumber(d[1]) or 0) + (tonumber(d[2]) or 0)
+      end
+      if #e.d > levels then levels = #e.d end
+    end
   end
   local budget = C
-  for lvl = 1, levels do
-    if budget <= 0 then break end
-    local pos, zero = {}, {}
-    for _, e in ipairs(entries) do
-      local d = e.d[lvl]
-      if d then
-        local want = (tonumber(d[1]) or 0) + (tonumber(d[2]) or 0)
-        local w = tonumber(d[3]) or 0
-        if want > 0 then
-          if w > 0 then table.insert(pos, {id = e.id, want = want, w = w})
-          else table.insert(zero, {id = e.id, want = want, w = 1}) end
+  -- give up to `cap` units to level `lvl`'s wants: weighted first, weight 0 from what they leave
+  local function give(lvl, cap)
+    for _, parts in ipairs({parts_at(open, want, lvl)}) do
+      local room = math.min(cap, budget)
+      if #parts > 0 and room > 0 then
+        waterfill(room, parts)
+        local sum = 0
+        for _, p in ipairs(parts) do sum = sum + p.a end
+        local given = integerize(parts, sum)
+        budget, cap = budget - given, cap - given
+        for _, p in ipairs(parts) do
+          target[p.id] = target[p.id] + p.a
+          want[p.id][lvl] = want[p.id][lvl] - p.a
         end
       end
     end
-    -- weight 0: served only from what the weighted ones leave
-    for _, parts in ipairs({pos, zero}) do
-      if #parts > 0 and budget > 0 then
-        waterfill(budget, parts)
-        local sum = 0
-        for _, p in ipairs(parts) do sum = sum + p.a end
-        budget = budget - integerize(parts, sum)
-        for _, p in ipairs(parts) do target[p.id] = target[p.id] + p.a end
+  end
+  -- floors first: a class with min_share m (the smallest any open entry reports) gets up to
+  -- ceil(m * C) units before strict priority, for the replicas where it has demand
+  for lvl = 1, levels do
+    local m = nil
+    for _, e in ipairs(open) do
+      local d = e.d[lvl]
+      if d then
+        local v = tonumber(d[4]) or 0
+        if m == nil or v < m then m = v end
       end
     end
+    if m and m > 0 and budget > 0 then give(lvl, math.ceil(m * C - 1e-9)) end
   end
-  if budget > 0 and #entries > 0 then
-    local each = math.floor(budget / #entries)
-    local rest = budget - each * #entries
-    for i, e in ipairs(entries) do
+  -- then strict priority, highest class first
+  for lvl = 1, levels do
+    if budget <= 0 then break end
+    give(lvl, budget)
+  end
+  if budget > 0 and #open > 0 then
+    local each = math.floor(budget / #open)
+    local rest = budget - each * #open
+    for i, e in ipairs(open) do
       target[e.id] = target[e.id] + each + ((i <= rest) and 1 or 0)
     end
   end
@@ -191,6 +234,7 @@ for i, rep in ipairs(reports) do
     grants[i], caps[i] = 0, 0
   else
     local cap, applied, inflight, demand = tonumber(rep[1]), tonumber(rep[2]), tonumber(rep[3]), rep[4]
+    local open = (rep[5] == 0) and 0 or 1
     local raw = redis.call('HGETALL', key)
     local entries, others, C = {}, 0, cap
     for j = 1, #raw, 2 do
@@ -199,6 +243,7 @@ for i, rep in ipairs(reports) do
         if live[id] then
           local e = cjson.decode(raw[j + 1])
           e.id = id
+          if e.o == nil then e.o = 1 end
           table.insert(entries, e)
           others = others + math.max(e.a, e.g, e.f)
           if e.c < C then C = e.c end
@@ -207,12 +252,12 @@ for i, rep in ipairs(reports) do
         end
       end
     end
-    table.insert(entries, {id = rid, a = applied, g = 0, f = inflight, c = cap, d = demand})
+    table.insert(entries, {id = rid, a = applied, g = 0, f = inflight, c = cap, d = demand, o = open})
     table.sort(entries, function(x, y) return x.id < y.id end)
     local g = math.min(plan(entries, C)[rid], C - others)
     if rebuilding then g = math.min(g, applied) end
     if g < 0 then g = 0 end
-    redis.call('HSET', key, rid, cjson.encode({a = applied, g = g, f = inflight, c = cap, d = demand}))
+    redis.call('HSET', key, rid, cjson.encode({a = applied, g = g, f = inflight, c = cap, d = demand, o = open}))
     redis.call('PEXPIRE', key, keep_ms)
     grants[i], caps[i] = g, C
   end
@@ -231,11 +276,15 @@ class ClassDemand:
         weight: the class's sharing weight here: the sum of the weights of its users
             with requests waiting on this replica (0 when none wait). Replicas at the
             same class share the capacity in proportion to it.
+        min_share: the class's floor (its group's ``min_share``, 0..1): the plan gives
+            the class up to ceil(min_share × capacity) units before strict priority
+            (every replica should report the same; Redis uses the smallest).
     """
 
     inflight: int = 0
     waiting: int = 0
     weight: float = 0.0
+    min_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,12 +298,17 @@ class CapacityReport:
         inflight: this replica's units in flight now (must be exact: the invariant
             rests on it).
         demand: per priority class, highest first (may be empty: no demand).
+        open: whether this replica can dispatch to the resource now. False (its engine
+            ejected by this replica's health checks, or draining after a reload): the
+            plan gives this replica nothing there, so no grant sits idle while other
+            replicas wait; what it still has in flight keeps counting in its claim.
     """
 
     key: str
     capacity: int
     inflight: int
     demand: tuple[ClassDemand, ...] = ()
+    open: bool = True
 
 
 def fallback_share(capacity: int, replicas: int, rank: int | None) -> int:
@@ -307,7 +361,8 @@ class LeaseTable:
             seen.add(r.key)
             self._capacity[r.key] = r.capacity
             keys.append(r.key)
-            body.append([r.capacity, self._grants.get(r.key, 0), r.inflight, [[d.inflight, d.waiting, d.weight] for d in r.demand]])
+            demand = [[d.inflight, d.waiting, d.weight, d.min_share] for d in r.demand]
+            body.append([r.capacity, self._grants.get(r.key, 0), r.inflight, demand, 1 if r.open else 0])
         for gone in sorted(self._reported - seen):
             self._capacity.pop(gone, None)
             self._grants[gone] = 0  # nothing new goes there while we leave it
