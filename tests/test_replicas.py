@@ -141,6 +141,36 @@ async def test_platinum_waiting_on_one_replica_goes_before_bronze_waiting_on_the
         reps.stop()
 
 
+async def test_min_share_holds_while_its_group_waits_on_another_replica_than_gold(aiohttp_server, redis_server):
+    """Issue 21.1: bronze (min_share 0.3) waits on replica 1 while gold keeps replica 0
+    busy. The shared plan holds ceil(0.3 x 6) = 2 of the engine's 6 slots for bronze:
+    about a third of the starts while both wait (was 0 of 24)."""
+    engine, stats = await _engine(aiohttp_server, itl_s=0.02)
+    groups = [
+        {"name": "gold", "users": [{"id": "heavy", "weight": 1}]},
+        {"name": "bronze", "min_share": 0.3, "users": [{"id": "carl", "weight": 1}]},
+    ]
+    reps = _start(engine, redis_server.url, "floor", n=2, groups=groups)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared", 20, "every replica in sync")
+            rng = random.Random(6)
+            gold: list = []
+            load = [asyncio.ensure_future(_closed_loop(s, reps.urls[:1], "heavy", "g", 10, rng, gold)) for _ in range(12)]
+            await _until(lambda: stats.active == CAPACITY and stats.started > 2 * CAPACITY, 20, "gold to fill the engine")
+            first = len(stats.tags)
+            bronze = await asyncio.gather(*(post(s, reps.urls[1], "carl", "b", 8) for _ in range(12)))
+            assert [b[0] for b in bronze] == [200] * 12
+            window = stats.tags[first : first + 24]
+            await asyncio.gather(*load)
+            assert [g[1] for g in gold] == [200] * 120
+            print(f"bronze started {window.count('b')} of the first 24 after it began to wait: {window}")
+            assert window.count("b") >= 6, f"bronze got {window.count('b')} of 24 starts: {window}"
+            assert stats.max_active <= CAPACITY
+    finally:
+        reps.stop()
+
+
 async def test_weighted_shares_hold_across_replicas(aiohttp_server, redis_server):
     engine, stats = await _engine(aiohttp_server, itl_s=0.01)
     reps = _start(engine, redis_server.url, "fair")
