@@ -58,6 +58,12 @@ class Capacity(Protocol):
     def fits(self, tokens: int) -> bool:
         """Whether a request of this reservation would get room now (no side effect)."""
 
+    def fits_without(self, ticket: Ticket, victim: Ticket) -> bool:
+        """Whether :meth:`reserve` would give ``ticket`` room now if ``victim`` (in
+        flight) gave its room back first (no side effect): what preemption asks
+        (:meth:`qos.Scheduler.preempt`). Optional: a capacity without it is never
+        preempted on."""
+
     def reserve(self, ticket: Ticket) -> bool:
         """Give ``ticket`` room now if it fits (and, for a pool, choose where: set
         ``ticket.placement``); False and no change if it does not."""
@@ -142,6 +148,20 @@ class LocalCapacity:
             return False
         cap = self.max_inflight_tokens
         return cap is None or self._inflight_tokens + tokens <= cap
+
+    def fits_without(self, ticket: Ticket, victim: Ticket) -> bool:
+        freed = victim.reserved_tokens
+        self._inflight -= 1
+        self._inflight_tokens -= freed
+        try:
+            if not self.reserve(ticket):  # the very rule reserve applies, then undone
+                return False
+            self._inflight -= 1
+            self._inflight_tokens -= ticket.reserved_tokens
+            return True
+        finally:
+            self._inflight += 1
+            self._inflight_tokens += freed
 
     def reserve(self, ticket: Ticket) -> bool:
         tokens = ticket.reserved_tokens

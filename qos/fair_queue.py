@@ -207,6 +207,25 @@ class FairQueue:
             self._backlogged[acct.user_id] = acct
             self._push(acct, ticket.seq)
 
+    def push_front(self, ticket: Ticket, acct: UserAccount) -> None:
+        """Queue ``ticket`` of the member ``acct`` *ahead of* its user's other waiting
+        tickets, without lifting the user (a preempted request going back to the head
+        of its queue: :meth:`qos.Scheduler.requeue`). In the class's arrival order it
+        takes its own place (its ``seq``)."""
+        if self._tickets and ticket.seq < next(reversed(self._tickets)):
+            self._unsorted = True
+        self._tickets[ticket.seq] = ticket
+        was_idle = not acct.queue
+        rest = acct.queue
+        acct.queue = {ticket.seq: ticket}
+        acct.queue.update(rest)
+        if acct.weight <= 0:
+            self._zero_lane[ticket.seq] = ticket
+            return
+        if was_idle:
+            self._backlogged[acct.user_id] = acct
+        self._push(acct, ticket.seq)  # a new head: a fresh entry (the old one goes stale)
+
     def peek(self, accounts: dict[str, UserAccount]) -> tuple[Ticket, UserAccount] | None:
         """The ticket that would be served next and its user's account (weight-0 users'
         accounts are looked up in ``accounts``), without removing it; ``None`` when the

@@ -601,6 +601,155 @@ class Scheduler:
         self._dispatch()
         return True
 
+    # -------------------------------------------------------------- preemption
+
+    def requeue(self, ticket: Ticket) -> bool:
+        """Take an ADMITTED ticket back out of flight and queue it again at the head of
+        its user's queue (a preempted request: its upstream work is being aborted).
+
+        Everything its dispatch charged is refunded exactly: its user's confirmed and
+        pending cost (the counter is where it was before the dispatch, less nothing),
+        its class's share (``min_share``), and its room in the capacity model. The
+        class's virtual time is not moved back. Its rate-limit reservation is kept as
+        it was reserved at submit (it is settled to the real usage of the attempt that
+        is served, or refunded in full if it never is). Nothing is learned from the
+        aborted attempt. It waits again with a fresh deadline (``queue_timeout_s`` from
+        now) and ``preemptions`` counted; no dispatch follows (the caller's).
+
+        Confirmed cost refunded is not reported to ``on_service`` (it is always 0 for a
+        request whose client was shown nothing: output is confirmed as it is relayed).
+
+        Returns:
+            True if it was ADMITTED and is now QUEUED; False (nothing changes) otherwise.
+        """
+        if ticket.state is not TicketState.ADMITTED:
+            return False
+        now = self._clock()
+        self.inflight.discard(ticket)
+        self._busy_at[ticket.group] = now
+        left = self._inflight_by_group.get(ticket.group, 1) - 1
+        if left > 0:
+            self._inflight_by_group[ticket.group] = left
+        else:
+            self._inflight_by_group.pop(ticket.group, None)
+        self.capacity_model.release(ticket)
+        acct = self._accounts[ticket.user_id]
+        acct.inflight -= 1
+        queue = self._queues[acct.group]
+        queue.charge(acct, -ticket.confirmed, -ticket.pending, -ticket.pending if ticket.speculative else 0.0)
+        self._shares.add(ticket.group, -ticket.share_charged, ticket.admitted_at)
+        ticket.confirmed = ticket.pending = ticket.share_charged = 0.0
+        ticket.expected_prompt = ticket.expected_output = 0.0
+        ticket.speculative = False
+        ticket.output_tokens = 0
+        ticket.admitted_at = None
+        ticket.placement = None
+        ticket.group = acct.group
+        ticket.state = TicketState.QUEUED
+        ticket.preemptions += 1
+        ticket.enqueued_at = now
+        ticket.deadline = now + self.policy.queue_timeout_s
+        queue.push_front(ticket, acct)
+        self.queued += 1
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.seq, ticket))
+        return True
+
+    def _blocked_head(self) -> tuple[int, FairQueue, Ticket, UserAccount] | None:
+        """The head strict priority serves next (the highest class with work waiting),
+        with its class index, when it does not fit now; else ``None``."""
+        for rank, queue in enumerate(self._order):
+            if len(queue):
+                head = queue.peek(self._accounts)
+                assert head is not None
+                if self.capacity_model.fits(head[0].reserved_tokens):
+                    return None
+                return rank, queue, head[0], head[1]
+        return None
+
+    def _victim(self, rank: int, head: Ticket, max_preemptions: int, eligible: Callable[[Ticket], bool] | None) -> Ticket | None:
+        """The request in flight to preempt for the head ``head`` of class index
+        ``rank``: of a class ranked below ``rank`` and not under its ``min_share``
+        floor, never shown to its client, preempted fewer than ``max_preemptions``
+        times, accepted by ``eligible`` (the caller's own test), and whose room alone
+        lets the head fit; the lowest class first, then the newest admitted. O(in flight
+        log in flight)."""
+        fits_without = getattr(self.capacity_model, "fits_without", None)
+        if fits_without is None:
+            return None
+        index = {g.name: i for i, g in enumerate(self.policy.groups)}
+        floors: dict[int, bool] = {}
+        cands = []
+        for t in self.inflight:
+            if t.shown or t.preemptions >= max_preemptions or (eligible is not None and not eligible(t)):
+                continue
+            # its class, and the one its user's queue is in now (a reload may have moved
+            # the user): both below the head's, so it never goes back ahead of the head
+            r = index.get(t.group)
+            acct = self._accounts.get(t.user_id)
+            if r is None or r <= rank or acct is None or index.get(acct.group, -1) <= rank:
+                continue
+            if r not in floors:
+                floors[r] = self._under_floor(r)
+            if not floors[r]:
+                cands.append((r, t.admitted_at or 0.0, t.seq, t))
+        cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
+        for *_k, t in cands:
+            if fits_without(head, t):
+                return t
+        return None
+
+    def preempt_at(self, after_s: float) -> float | None:
+        """Clock reading at which the head strict priority serves next will have waited
+        ``after_s`` seconds, when it does not fit now and some class below its own has
+        requests in flight (so :meth:`preempt` may find a victim then); else ``None``.
+        O(classes). For a caller that arms a timer instead of polling."""
+        if self.closed:
+            return None
+        blocked = self._blocked_head()
+        if blocked is None:
+            return None
+        rank, _q, head, _a = blocked
+        if not any(self._inflight_by_group.get(g.name) for g in self.policy.groups[rank + 1 :]):
+            return None
+        return head.enqueued_at + after_s
+
+    def preempt(self, after_s: float, max_preemptions: int, eligible: Callable[[Ticket], bool] | None = None) -> list[Ticket]:
+        """Preempt lower-class work for a waiting head of higher priority.
+
+        While the head strict priority serves next has waited at least ``after_s``
+        seconds and does not fit, the request :meth:`_victim` names (lower class,
+        shown nothing, preempted fewer than ``max_preemptions`` times, accepted by
+        ``eligible`` when given, its room enough)
+        is requeued (:meth:`requeue`) and the head is dispatched into its room at once;
+        then whatever else fits is dispatched. Stops at the first head with no victim.
+
+        Returns:
+            The preempted tickets, now QUEUED again (the caller aborts their upstream
+            work and lets them wait); ``on_admit`` has been called for the heads.
+        """
+        out: list[Ticket] = []
+        if self.closed or max_preemptions <= 0:
+            return out
+        while True:
+            blocked = self._blocked_head()
+            if blocked is None:
+                break
+            rank, queue, head, acct = blocked
+            if self._clock() - head.enqueued_at < after_s:
+                break
+            victim = self._victim(rank, head, max_preemptions, eligible)
+            if victim is None:
+                break
+            self.requeue(victim)
+            out.append(victim)
+            if self.capacity_model.reserve(head):
+                self._admit(queue, head, acct)  # strict priority: the room is the head's
+            else:  # pragma: no cover - fits_without said it would fit
+                break
+        if out:
+            self._dispatch()
+        return out
+
     def expire(self) -> list[Ticket]:
         """Refuse every queued ticket whose deadline has passed (reason TIMEOUT); their
         rate-limit reservations are refunded in full.
@@ -612,7 +761,7 @@ class Scheduler:
         dl = self._deadlines
         while dl and (dl[0][2].state is not TicketState.QUEUED or dl[0][0] <= now):
             _d, _s, t = heapq.heappop(dl)
-            if t.state is TicketState.QUEUED:
+            if t.state is TicketState.QUEUED and _d == t.deadline:  # not a requeued ticket's old entry
                 self._refuse_queued(
                     t,
                     Refused(RefusalReason.TIMEOUT, self._retry_hint(), f"waited {now - t.enqueued_at:.1f} s in the queue"),
@@ -625,7 +774,7 @@ class Scheduler:
     def next_deadline(self) -> float | None:
         """Clock reading of the earliest queued deadline, or ``None`` when nothing waits."""
         dl = self._deadlines
-        while dl and dl[0][2].state is not TicketState.QUEUED:
+        while dl and (dl[0][2].state is not TicketState.QUEUED or dl[0][0] != dl[0][2].deadline):
             heapq.heappop(dl)
         return dl[0][0] if dl else None
 

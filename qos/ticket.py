@@ -8,7 +8,8 @@ from typing import Any
 
 
 class TicketState(enum.Enum):
-    """Life of a ticket: QUEUED -> ADMITTED -> RELEASED, or QUEUED -> REFUSED."""
+    """Life of a ticket: QUEUED -> ADMITTED -> RELEASED, or QUEUED -> REFUSED; a
+    preempted ticket goes ADMITTED -> QUEUED again (:meth:`qos.Scheduler.requeue`)."""
 
     QUEUED = "queued"
     ADMITTED = "admitted"
@@ -67,7 +68,8 @@ class Ticket:
             its output multiplier (:meth:`qos.CostModel.reserve_output`). A capacity
             and rate-limit reservation only, never a fair-share cost.
         choices: the output multiplier (``max(n, best_of)``) the reservation counts.
-        enqueued_at, admitted_at: clock readings (seconds).
+        enqueued_at, admitted_at: clock readings (seconds); ``enqueued_at`` is when it
+            last started waiting (a preempted ticket's requeue).
         deadline: clock reading after which a queued ticket times out.
         confirmed: cost (token units, before division by the user's weight) of the
             service this request has been seen to receive: output as it is produced,
@@ -89,6 +91,9 @@ class Ticket:
         rate: the rate-limit reservation (:class:`qos.rate_limit.RateReservation`).
         placement: set by the capacity model at dispatch (where the request was given
             room; an engine, for a pool), handed back to it at release.
+        shown: its client has been sent something of the answer (a status line, a
+            header, a byte); set by the caller. A shown request is never preempted.
+        preemptions: times it was preempted and requeued (:meth:`qos.Scheduler.requeue`).
         context: free slot for the caller (the proxy keeps its wake-up future here).
     """
 
@@ -112,6 +117,8 @@ class Ticket:
     refusal: Refused | None = None
     rate: Any = field(default=None, repr=False)
     placement: Any = field(default=None, repr=False)
+    shown: bool = False
+    preemptions: int = 0
     context: Any = field(default=None, repr=False)
 
     @property
