@@ -25,6 +25,17 @@ chosen when it was dispatched; the handler opens the request on that engine's ``
 (:class:`proxy.upstream.Upstream`). A request whose connection failed before it reached the
 engine is moved with :meth:`Admission.reroute`.
 
+Preemption (``admission.preemption``): when the head strict priority serves next has
+waited ``after_s`` and does not fit, a request of a lower class that has shown its client
+nothing is taken out of flight (:meth:`qos.Scheduler.preempt`: the lowest class's newest,
+at most ``max_per_request`` times each) and the head takes its room. The preempted
+request's handler task is cancelled with the ticket marked (:meth:`Admission.preempted`
+tells it so): it closes its upstream request (which aborts the generation), answers
+nothing, and waits at the head of its queue (:meth:`Admission.wait_requeued`) to be
+dispatched again, possibly on another engine. One timer per pool (``loop.call_at``) is
+armed for the moment the waiting head will have waited ``after_s``, whenever a request
+starts waiting or one ends; no polling.
+
 Zero engines in rotation: :meth:`acquire` raises :class:`NoEngine` (503 with Retry-After)
 at once instead of queueing. Requests already queued when a pool loses its last engine
 keep waiting, bounded by ``admission.queue_timeout_s``, and are dispatched the moment a
@@ -76,10 +87,36 @@ class NoEngine(Refused):
 
 @dataclass(eq=False, slots=True)
 class _Waiting:
-    """A queued ticket's ``context``: its wake-up future and its affinity key."""
+    """A ticket's ``context`` from submit to release: its pool, its affinity key, the
+    task that handles it (cancelled to preempt it), its wake-up future while it waits
+    (``None`` otherwise), and the preemptions whose cancel its task has not taken yet."""
 
-    fut: asyncio.Future
+    fut: asyncio.Future | None
     key: str | None
+    pool: "Pool | None" = None
+    task: asyncio.Task | None = None
+    preempted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """``admission.preemption`` as the admission applies it.
+
+    Attributes:
+        enabled: preempt at all.
+        after_s: seconds a higher class's head waits before a lower class's request is
+            preempted for it; ``None``: ``auto`` (:meth:`Admission.preempt_after_s`).
+        max_per_request: the most times one request is preempted.
+    """
+
+    enabled: bool = True
+    after_s: float | None = None
+    max_per_request: int = 2
+
+
+AUTO_PREEMPT_FLOOR_S = 0.25  # ``auto``: never sooner than this
+AUTO_PREEMPT_TTFTS = 2.0  # ``auto``: this many times the engine's baseline TTFT
+AUTO_PREEMPT_DEFAULT_S = 0.5  # ``auto`` while no engine's baseline TTFT is known
 
 
 @dataclass(eq=False)
@@ -91,12 +128,16 @@ class Pool:
         router: its engines and the choice among them.
         scheduler: its queue and admission.
         retired: removed by a reload; finishing what it holds.
+        preemptions: requests preempted here since start.
     """
 
     spec: PoolSpec
     router: PoolRouter
     scheduler: Scheduler
     retired: bool = False
+    preemptions: int = 0
+    preempt_timer: asyncio.TimerHandle | None = None
+    preempt_due: float | None = None
 
     @property
     def name(self) -> str:
@@ -140,6 +181,9 @@ class Admission:
             scheduler (an engine back, a load limit lifted); default: dispatch.
         on_wait: called (no arguments) when a request starts waiting in a queue (a
             replica asks the shared state for a sync then: its lease may not cover it).
+        preemption: the :class:`Preemption` settings (set by the proxy from its config).
+        on_preempt: called with ``(pool, engine, ticket)`` for each request preempted
+            (``engine``: the one it was taken off); the proxy counts it there.
     """
 
     def __init__(
@@ -161,6 +205,8 @@ class Admission:
         self._forget_timer: asyncio.TimerHandle | None = None
         self.on_engine_removed: Callable[[EngineState], None] | None = None
         self.on_wait: Callable[[], None] = _nothing
+        self.preemption = Preemption()
+        self.on_preempt: Callable[[Pool, EngineState | None, Ticket], None] | None = None
         self.reconfigure(policy, pools)
 
     # ------------------------------------------------------------------ pools
@@ -267,13 +313,13 @@ class Admission:
     @staticmethod
     def _wake(ticket: Ticket) -> None:
         w = ticket.context
-        if isinstance(w, _Waiting) and not w.fut.done():
+        if isinstance(w, _Waiting) and w.fut is not None and not w.fut.done():
             w.fut.set_result(None)
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:
         w = ticket.context
-        if isinstance(w, _Waiting) and not w.fut.done():
+        if isinstance(w, _Waiting) and w.fut is not None and not w.fut.done():
             w.fut.set_exception(_fresh(ticket.refusal))
 
     def _affinity_of(self, ticket: Ticket) -> str | None:
@@ -340,55 +386,119 @@ class Admission:
         else:
             ticket = submit()
         if ticket.state is TicketState.ADMITTED:
-            ticket.context = p
+            ticket.context = _Waiting(None, key, p, asyncio.current_task())
             return ticket
+        ticket.context = _Waiting(asyncio.get_running_loop().create_future(), key, p, asyncio.current_task())
+        await self._wait(ticket)
+        return ticket
+
+    async def _wait(self, ticket: Ticket) -> None:
+        """Wait until the QUEUED ``ticket`` (its context's future set) is dispatched.
+        A preemption of it between its dispatch and this task's waking is taken here:
+        it waits again. Raises as :meth:`acquire` (the ticket out of the queue)."""
+        w = ticket.context
+        pool = w.pool
+        sched = pool.scheduler
         self.on_wait()
-        fut = asyncio.get_running_loop().create_future()
-        ticket.context = _Waiting(fut, key)
+        self._arm_preempt(pool)
         try:
-            async with asyncio.timeout_at(self._loop_deadline(ticket)):
-                await fut
-        except TimeoutError:
-            if sched.cancel(ticket, RefusalReason.TIMEOUT) or ticket.state is TicketState.REFUSED:
-                ticket.context = None
-                raise _fresh(ticket.refusal) from None
+            while True:
+                try:
+                    async with asyncio.timeout_at(self._loop_deadline(ticket)):
+                        await w.fut
+                    return
+                except TimeoutError:
+                    if sched.cancel(ticket, RefusalReason.TIMEOUT) or ticket.state is TicketState.REFUSED:
+                        ticket.context = None
+                        raise _fresh(ticket.refusal) from None
+                    if ticket.state is TicketState.ADMITTED:
+                        return
+                except asyncio.CancelledError:
+                    if w.preempted and self.preempted(ticket):
+                        continue  # dispatched, then preempted before this task woke: wait again
+                    raise
         except BaseException:
             ticket.context = None
             if not sched.cancel(ticket) and ticket.state is TicketState.ADMITTED:
+                self._release_engine(ticket)
                 sched.release(ticket)
             self._sweep()
             raise
         finally:
             # no reference cycle (future -> exception -> traceback -> this frame -> future)
             # left for the garbage collector: refused requests are freed at once
-            fut = None
+            w.fut = None
             self._arm_forget()  # a refused user may be idle now
-        ticket.context = p
-        return ticket
+            self._arm_preempt(pool)
+
+    async def wait_requeued(self, ticket: Ticket) -> EngineState:
+        """After :meth:`preempted` said so: wait until the preempted ``ticket`` is
+        dispatched again (it waits at the head of its user's queue), and return its new
+        engine (``ticket.placement``; bind late: any engine of its pool).
+
+        Raises:
+            Refused: it waited past ``queue_timeout_s`` (counted again from its
+                preemption), was evicted, or the proxy is shutting down.
+            asyncio.CancelledError: the client went away; it is out of the queue.
+        """
+        if ticket.state is TicketState.QUEUED:
+            await self._wait(ticket)
+        return ticket.placement
+
+    def preempted(self, ticket: Ticket) -> bool:
+        """Called by the task handling ``ticket`` when it catches ``CancelledError``:
+        whether that cancel was a preemption (then it is taken back: the task goes on,
+        to :meth:`wait_requeued`). False when the task was not preempted, or when it was
+        also cancelled for another reason (its client left): then it must end as
+        cancelled (and :meth:`release` takes the ticket out of the queue)."""
+        w = ticket.context
+        if not isinstance(w, _Waiting) or not w.preempted:
+            return False
+        task = asyncio.current_task()
+        n, w.preempted = w.preempted, 0
+        if task is not w.task:
+            return False
+        left = task.cancelling()
+        for _ in range(min(n, left)):
+            left = task.uncancel()
+        return left == 0
 
     def _loop_deadline(self, ticket: Ticket) -> float:
         loop = asyncio.get_running_loop()
         return loop.time() + max(0.0, ticket.deadline - self._clock())
 
     def release(self, ticket: Ticket, prompt_tokens: int | None = None, output_tokens: int | None = None) -> bool:
-        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`."""
-        pool = ticket.context
-        if not isinstance(pool, Pool):
+        """Give the slot back and true up the cost; see :meth:`qos.Scheduler.release`.
+        A ticket preempted and waiting again (its client left meanwhile) is taken out of
+        the queue instead (and False returned)."""
+        w = ticket.context
+        if not isinstance(w, _Waiting) or w.pool is None:
             return False
-        engine = ticket.placement
-        if engine is not None:
-            engine.meter.finished(ticket)
-        done = pool.scheduler.release(ticket, prompt_tokens, output_tokens)
+        pool = w.pool
+        if ticket.state is TicketState.QUEUED:
+            pool.scheduler.cancel(ticket)
+            done = False
+        else:
+            self._release_engine(ticket)
+            done = pool.scheduler.release(ticket, prompt_tokens, output_tokens)
         if pool.retired:
             self._sweep()
         self._arm_forget()
+        self._arm_preempt(pool)
         return done
+
+    @staticmethod
+    def _release_engine(ticket: Ticket) -> None:
+        engine = ticket.placement
+        if engine is not None:
+            engine.meter.finished(ticket)
 
     def record_output(self, ticket: Ticket, output_tokens: int) -> None:
         """See :meth:`qos.Scheduler.record_output`; also the engine's latency meter
         (:class:`proxy.engine_meter.EngineMeter`)."""
-        pool = ticket.context
-        if isinstance(pool, Pool):
+        w = ticket.context
+        if isinstance(w, _Waiting) and w.pool is not None:
+            pool = w.pool
             engine = ticket.placement
             if engine is not None:
                 engine.meter.progress(ticket, output_tokens, self._clock())
@@ -401,10 +511,10 @@ class Admission:
         headroom even if full (the request was admitted; the engine it was given failed).
         Returns the new engine (``ticket.placement``), or ``None`` when no other engine is
         in rotation (the ticket then holds no engine; :meth:`release` it as usual)."""
-        pool = ticket.context
-        if not isinstance(pool, Pool):
+        w = ticket.context
+        if not isinstance(w, _Waiting) or w.pool is None:
             return None
-        engine = pool.router.reroute(ticket, exclude=tuple(tried), over=True)
+        engine = w.pool.router.reroute(ticket, exclude=tuple(tried), over=True)
         ticket.placement = engine
         return engine
 
@@ -423,6 +533,7 @@ class Admission:
         pool = self.pool_of(engine)
         if pool is not None and engine.in_rotation:
             pool.scheduler.dispatch()
+            self._arm_preempt(pool)
 
     def dispatch(self, engine: EngineState | None = None) -> None:
         """Dispatch what fits now in ``engine``'s pool (every pool for ``None``): its room
@@ -430,6 +541,7 @@ class Admission:
         pools = list(self.all_pools()) if engine is None else [p for p in [self.pool_of(engine)] if p is not None]
         for p in pools:
             p.scheduler.dispatch()
+            self._arm_preempt(p)
 
     def update_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy in every pool, pools unchanged; see :meth:`qos.Scheduler.update_policy`."""
@@ -442,6 +554,73 @@ class Admission:
         if self._forget_timer is not None:
             self._forget_timer.cancel()
             self._forget_timer = None
+
+    # ------------------------------------------------------------ preemption
+
+    def preempt_after_s(self, pool: Pool) -> float:
+        """Seconds ``pool``'s waiting head waits before preemption: ``after_s`` when set;
+        ``auto``: ``max(0.25, 2 x`` the largest baseline TTFT its engines in rotation
+        have measured ``)`` (``EngineState.baseline_ttft_s``), 0.5 while none is known."""
+        if self.preemption.after_s is not None:
+            return self.preemption.after_s
+        known = [b for e in pool.router.engines.values() if e.in_rotation and (b := getattr(e, "baseline_ttft_s", None))]
+        if not known:
+            return AUTO_PREEMPT_DEFAULT_S
+        return max(AUTO_PREEMPT_FLOOR_S, AUTO_PREEMPT_TTFTS * max(known))
+
+    def _arm_preempt(self, pool: Pool) -> None:
+        """Arm ``pool``'s preemption timer for when its blocked head will have waited
+        long enough (:meth:`qos.Scheduler.preempt_at`), unless one is armed as early;
+        disarm it when nothing can be preempted for. Every state change that can make
+        a preemption possible (a request waits, one ends, room changes) calls this, and a
+        timer that preempted re-arms; one that found nothing waits for the next change,
+        so no timer spins."""
+        cfg = self.preemption
+        due = pool.scheduler.preempt_at(self.preempt_after_s(pool)) if cfg.enabled and not pool.retired else None
+        if due is None:
+            if pool.preempt_timer is not None:
+                pool.preempt_timer.cancel()
+                pool.preempt_timer = pool.preempt_due = None
+            return
+        if pool.preempt_timer is not None:
+            if pool.preempt_due is not None and pool.preempt_due <= due:
+                return
+            pool.preempt_timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the loop: armed on the next change
+            return
+        delay = max(0.0, due - self._clock()) + FORGET_SLACK_S
+        pool.preempt_due = due
+        pool.preempt_timer = loop.call_at(loop.time() + delay, self._preempt_due, pool)
+
+    def _preempt_due(self, pool: Pool) -> None:
+        pool.preempt_timer = pool.preempt_due = None
+        cfg = self.preemption
+        if not cfg.enabled:
+            return
+        engines = {}
+        for t in pool.scheduler.inflight:
+            engines[t] = t.placement
+        victims = pool.scheduler.preempt(self.preempt_after_s(pool), cfg.max_per_request, _abortable)
+        if not victims:
+            return  # nothing to take now: the next change re-arms
+        loop = asyncio.get_running_loop()
+        for t in victims:
+            engine = engines.get(t)
+            if engine is not None and getattr(engine, "meter", None) is not None:
+                engine.meter.finished(t)
+            pool.preemptions += 1
+            w = t.context
+            if isinstance(w, _Waiting):
+                if w.fut is None or w.fut.done():
+                    w.fut = loop.create_future()
+                w.preempted += 1
+                if w.task is not None:
+                    w.task.cancel()
+            if self.on_preempt is not None:
+                self.on_preempt(pool, engine, t)
+        self._arm_preempt(pool)
 
     # ------------------------------------------------------------ idle users
 
@@ -480,7 +659,8 @@ class Admission:
         queue counts added; per group and per user, counts and recent service added, a
         user served by several pools listed once and counted once in ``users_total``),
         with ``pools``: every pool's name,
-        queued, in flight, capacity, retired flag and queue per group, and ``engines``:
+        queued, in flight, capacity, retired flag, queue per group and requests preempted
+        there since start (``preemptions``), and ``engines``:
         every engine (:meth:`proxy.router.EngineState.status`)."""
         pools = list(self.all_pools())
         snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
@@ -497,6 +677,7 @@ class Admission:
                 "capacity": p.scheduler.capacity,
                 "retired": p.retired,
                 "groups": p.scheduler.queue_depths(),
+                "preemptions": p.preemptions,
             }
             for p in pools
         ]
@@ -536,6 +717,12 @@ def _distinct(groups) -> int:
     for ids in groups:
         seen.update(ids)
     return len(seen)
+
+
+def _abortable(ticket: Ticket) -> bool:
+    """Whether a task handles ``ticket`` that a preemption can reach (cancel)."""
+    w = ticket.context
+    return isinstance(w, _Waiting) and w.task is not None and not w.task.done()
 
 
 def _fresh(refusal: Refused) -> Refused:

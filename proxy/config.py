@@ -121,6 +121,24 @@ class UpstreamConfig(_Model):
         return _secret(self.api_key, self.api_key_env)
 
 
+class PreemptionConfig(_Model):
+    """Preemption when the engine is full (``docs/scheduling.md``, Preemption).
+
+    ``enabled`` (true): when the next request to serve (the highest group's head) has
+    waited ``after_s`` and no engine it may use has room, one request of a lower group
+    that has shown its client nothing (waiting inside the engine, before its first token,
+    or non-streaming) is aborted upstream and queued again at the head of its queue; its
+    room goes to the waiting request. ``after_s`` (``auto``): seconds, or ``auto`` =
+    max(0.25, 2 x the largest baseline time to first token the pool's engines have
+    measured), 0.5 while none is measured. ``max_per_request`` (2): the most times one
+    request is preempted.
+    """
+
+    enabled: bool = True
+    after_s: Literal["auto"] | Annotated[float, Field(gt=0, le=3600)] = "auto"
+    max_per_request: int = Field(default=2, ge=1, le=100)
+
+
 class AdmissionConfig(_Model):
     """Capacity, queueing and per-user state (see :class:`qos.SchedulerPolicy`).
 
@@ -137,6 +155,7 @@ class AdmissionConfig(_Model):
     share_window_s: PositiveFloat = 30.0
     max_users: int = Field(default=20000, ge=1)
     forget_users_after_s: PositiveFloat = 300.0
+    preemption: PreemptionConfig = PreemptionConfig()
 
 
 class CostConfig(_Model):

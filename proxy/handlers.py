@@ -14,6 +14,9 @@ The life of a completion request (``handle_generation``):
    connection that failed before any byte was sent moves the request to another engine
    of the pool (:meth:`proxy.admission.Admission.reroute`); the engine's health hears of
    every outcome (:meth:`proxy.admission.Admission.report`);
+   A request preempted before its client was shown anything (:mod:`proxy.admission`)
+   closes its upstream request, waits at the head of its queue, and goes to step 5 again
+   with the engine it is given then: its client sees only the later answer;
 6. relay the answer (:mod:`proxy.relay`, :mod:`proxy.assemble`); 7. release the slot
    exactly once, in ``finally``, with the real token counts; abort the upstream by
    closing its connection unless its answer was read to the end;
@@ -192,72 +195,98 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
     # a pass-through body is the client's own (a multipart upload, audio): its type goes with it
     body_headers = {"Content-Type": request.headers.get("Content-Type"), "Accept": request.headers.get("Accept")} if kind.opaque else None
     try:
-        tried = []
-        while True:
-            plan = _engine_plan(parsed, engine, route, kind, admission.policy, ex.group)
+        while True:  # once per dispatch: a preempted request waits in its queue, then goes again
             try:
-                upstream, plan = await _open(engine, request.method, path, plan, ex, query, native, trace, body_headers)
-                break
-            except UpstreamError as e:
-                if e.unsent:  # it never reached the engine: another one may take it
-                    admission.report(engine, False, "connect", e.message)
-                    tried.append(engine)
+                tried = []
+                while True:
+                    plan = _engine_plan(parsed, engine, route, kind, admission.policy, ex.group)
+                    try:
+                        upstream, plan = await _open(engine, request.method, path, plan, ex, query, native, trace, body_headers)
+                        break
+                    except UpstreamError as e:
+                        if e.unsent:  # it never reached the engine: another one may take it
+                            admission.report(engine, False, "connect", e.message)
+                            tried.append(engine)
+                            if ticket is not None:
+                                nxt = admission.reroute(ticket, tried)
+                            else:
+                                nxt = pool.router.reroute(outside, tried, key, over=True)
+                            if nxt is not None:
+                                log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
+                                engine = nxt
+                                continue
+                        else:
+                            admission.report(engine, False, "timeout" if e.status == 504 else "reset", e.message)
+                        ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
+                        aborted = e.aborted
+                        return error_response(e.status, e.message, code=e.code)
+                    except asyncio.CancelledError:
+                        aborted = True  # the client left while the proxy waited for the upstream's headers
+                        raise
+                coding = content_coding(upstream.headers)
+                if coding not in DECODED_CODINGS:
+                    ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, "upstream_bad_response"
+                    return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
+                ctype = upstream.headers.get("Content-Type", "").lower()
+                is_json = "json" in ctype
+                if kind.opaque:  # any answer, relayed as bytes as they come: a file, audio, a stream
                     if ticket is not None:
-                        nxt = admission.reroute(ticket, tried)
-                    else:
-                        nxt = pool.router.reroute(outside, tried, key, over=True)
-                    if nxt is not None:
-                        log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
-                        engine = nxt
-                        continue
-                else:
-                    admission.report(engine, False, "timeout" if e.status == 504 else "reset", e.message)
-                ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code
-                aborted = e.aborted
-                return error_response(e.status, e.message, code=e.code)
+                        ticket.shown = True  # its headers go to the client now: never preempted
+                    resp = await relay_stream(request, upstream, ex, _no_progress, kind.scanner(), active.config.limits.client_write_timeout_s, base_url=engine.url)
+                    transfer_broke = ex.outcome == m.OUTCOME_UPSTREAM_ERROR
+                    if upstream.status >= 400 and ex.outcome == m.OUTCOME_OK:
+                        ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, f"upstream answered {upstream.status}"
+                    return resp
+                # an event stream, asked for or not (transformers serve streams a Responses request
+                # that names no ``stream``): relayed and accounted as a stream, as the engine sent it
+                streamed = parsed.stream or "text/event-stream" in ctype
+                if streamed and upstream.status == 200 and not is_json and not plan.assemble:
+                    progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
+                    if ticket is not None:
+                        ticket.shown = True  # its headers go to the client now: never preempted
+                    return await relay_stream(
+                        request,
+                        upstream,
+                        ex,
+                        progress,
+                        kind.scanner(),
+                        write_timeout_s=active.config.limits.client_write_timeout_s,
+                        choices=choices_of(parsed.fields),
+                        strip_usage=plan.strip_usage,
+                        base_url=engine.url,
+                    )
+                try:
+                    if upstream.status == 417 and (native or engine.kind == "lightllm"):  # LightLLM's validation errors, any route
+                        body = await upstream.read()
+                        ex.upstream_ended = True  # read in full: nothing to abort
+                        ex.outcome = m.OUTCOME_BAD_REQUEST
+                        return error_response(400, _message_of(body), code="invalid_request")
+                    if plan.assemble and upstream.status == 200 and not is_json:
+                        return await relay_assembled(upstream, ex, chat=kind is kinds.CHAT, choices=choices_of(parsed.fields), base_url=engine.url)
+                    return await relay_body(upstream, ex, native=native, base_url=engine.url)
+                except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
+                    ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
+                    return error_response(502, "the upstream failed while sending its answer", code="upstream_error")
             except asyncio.CancelledError:
-                aborted = True  # the client left while the proxy waited for the upstream's headers
-                raise
-        coding = content_coding(upstream.headers)
-        if coding not in DECODED_CODINGS:
-            ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, "upstream_bad_response"
-            return error_response(502, f"the upstream answered with Content-Encoding {coding!r}, which the proxy cannot decode", code="upstream_bad_response")
-        ctype = upstream.headers.get("Content-Type", "").lower()
-        is_json = "json" in ctype
-        if kind.opaque:  # any answer, relayed as bytes as they come: a file, audio, a stream
-            resp = await relay_stream(request, upstream, ex, _no_progress, kind.scanner(), active.config.limits.client_write_timeout_s, base_url=engine.url)
-            transfer_broke = ex.outcome == m.OUTCOME_UPSTREAM_ERROR
-            if upstream.status >= 400 and ex.outcome == m.OUTCOME_OK:
-                ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, f"upstream answered {upstream.status}"
-            return resp
-        # an event stream, asked for or not (transformers serve streams a Responses request
-        # that names no ``stream``): relayed and accounted as a stream, as the engine sent it
-        streamed = parsed.stream or "text/event-stream" in ctype
-        if streamed and upstream.status == 200 and not is_json and not plan.assemble:
-            progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
-            return await relay_stream(
-                request,
-                upstream,
-                ex,
-                progress,
-                kind.scanner(),
-                write_timeout_s=active.config.limits.client_write_timeout_s,
-                choices=choices_of(parsed.fields),
-                strip_usage=plan.strip_usage,
-                base_url=engine.url,
-            )
-        try:
-            if upstream.status == 417 and (native or engine.kind == "lightllm"):  # LightLLM's validation errors, any route
-                body = await upstream.read()
-                ex.upstream_ended = True  # read in full: nothing to abort
-                ex.outcome = m.OUTCOME_BAD_REQUEST
-                return error_response(400, _message_of(body), code="invalid_request")
-            if plan.assemble and upstream.status == 200 and not is_json:
-                return await relay_assembled(upstream, ex, chat=kind is kinds.CHAT, choices=choices_of(parsed.fields), base_url=engine.url)
-            return await relay_body(upstream, ex, native=native, base_url=engine.url)
-        except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
-            ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__
-            return error_response(502, "the upstream failed while sending its answer", code="upstream_error")
+                if ticket is None or not admission.preempted(ticket):
+                    raise
+                # preempted (its client was shown nothing): abort the upstream work, answer
+                # nothing, wait at the head of its queue, and go again on the engine given then
+                if upstream is not None:
+                    upstream.close()  # aborts the generation upstream
+                    upstream = None
+                state.metrics.upstream_aborts.labels(m.ABORT_PREEMPTED).inc()
+                _restart(ex, ticket.preemptions)
+                aborted = transfer_broke = False
+                try:
+                    engine = await admission.wait_requeued(ticket)
+                except Refused as r:
+                    ex.queue_wait = loop.time() - ex.arrived_at
+                    state.metrics.rejections.labels(ex.group, r.reason.value).inc()
+                    ex.outcome, ex.detail = m.OUTCOME_REFUSED, r.reason.value
+                    return _refusal_response(r)
+                ex.group = ticket.group
+                ex.queue_wait = loop.time() - ex.arrived_at
     except (asyncio.CancelledError, ConnectionResetError):
         # the client's side only: every upstream read above turns its failures (aiohttp's
         # ClientConnectionResetError is a ConnectionResetError too) into an answer first
@@ -422,6 +451,15 @@ def _message_of(body: bytes) -> str:
     return body[:500].decode("utf-8", "replace") or "the upstream rejected the request"
 
 
+def _restart(ex: Exchange, preemptions: int) -> None:
+    """Forget what a preempted attempt left in ``ex`` (its client was shown nothing of
+    it), and count the preemption for the access log."""
+    ex.status, ex.first_byte_at, ex.prompt_tokens, ex.output_tokens = 0, None, None, 0
+    ex.outcome = ex.detail = ""
+    ex.upstream_request_id, ex.upstream_ended, ex.engine_error, ex.engine_error_status = None, False, False, None
+    ex.preemptions = preemptions
+
+
 def _account(state: ProxyState, ex: Exchange, parsed: ParsedRequest) -> None:
     met = state.metrics
     group = ex.group
@@ -455,6 +493,7 @@ def _log_access(ex: Exchange, now: float) -> None:
             "duration_s": round(now - ex.arrived_at, 4),
             "prompt_tokens": ex.prompt_tokens,
             "output_tokens": ex.output_tokens,
+            "preemptions": ex.preemptions,
         }
     ).decode()
     # a record made directly: no caller lookup (logger.info's stack walk) for a line whose

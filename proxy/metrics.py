@@ -49,7 +49,8 @@ OUTCOMES = (OUTCOME_OK, OUTCOME_CLIENT_GONE, OUTCOME_REFUSED, OUTCOME_UPSTREAM_E
 # why an upstream request was aborted (label ``reason`` of llm_qos_upstream_aborts_total):
 # the request's outcome, or ABORT_UNKNOWN when the relay ended without one
 ABORT_UNKNOWN = "error"
-ABORT_REASONS = (OUTCOME_CLIENT_GONE, OUTCOME_UPSTREAM_ERROR, ABORT_UNKNOWN)
+ABORT_PREEMPTED = "preempted"  # a lower group's request preempted for a higher one's (proxy.admission)
+ABORT_REASONS = (OUTCOME_CLIENT_GONE, OUTCOME_UPSTREAM_ERROR, ABORT_UNKNOWN, ABORT_PREEMPTED)
 
 # admission refusals (label ``reason``): every wire code but the client's own cancel,
 # which is counted as outcome client_disconnected, never as a refusal
@@ -214,7 +215,8 @@ class Metrics:
         clock: the scheduler's clock (monotonic seconds), for queue ages.
 
     Attributes: ``requests``, ``rejections``, ``queue_wait``, ``ttft``, ``tokens``,
-    ``upstream_aborts``, ``config_reloads``: :class:`LabelCache` of each metric (call
+    ``upstream_aborts``, ``config_reloads``, ``preemptions`` (``pool``, ``engine``,
+    ``group``: requests preempted off that engine): :class:`LabelCache` of each metric (call
     ``.labels(...)`` as on the metric; ``.metric`` is the metric itself).
     """
 
@@ -234,6 +236,9 @@ class Metrics:
         self.tokens = LabelCache(Counter("llm_qos_tokens", "Tokens served, by group and direction (prompt, completion).", ["group", "direction"], registry=r))
         self.upstream_aborts = LabelCache(Counter("llm_qos_upstream_aborts", "Upstream requests aborted by closing their connection.", ["reason"], registry=r))
         self.config_reloads = LabelCache(Counter("llm_qos_config_reloads", "Config reload attempts by result (ok, error).", ["result"], registry=r))
+        self.preemptions = LabelCache(
+            Counter("llm_qos_preemptions", "Requests preempted for a higher group's waiting request, by pool, engine and the preempted request's group.", ["pool", "engine", "group"], registry=r)
+        )
         for reason in ABORT_REASONS:
             self.upstream_aborts.labels(reason)
         for result in RELOAD_RESULTS:

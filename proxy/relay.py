@@ -81,6 +81,8 @@ class Exchange:
             health it answered (:mod:`proxy.engine_health`), as with a 4xx.
         engine_error_status: the 4xx/5xx that error names (its numeric ``code``), if any:
             a 5xx counts against the engine's health like a 5xx status.
+        preemptions: times the request was preempted before its answer (each attempt
+            aborted upstream unseen by the client; :mod:`proxy.admission`).
     """
 
     arrived_at: float
@@ -100,6 +102,7 @@ class Exchange:
     upstream_ended: bool = False
     engine_error: bool = False
     engine_error_status: int | None = None
+    preemptions: int = 0
 
 
 def note_engine_error(ex: Exchange, err: dict, what: str = "in-band error") -> None:

@@ -673,5 +673,22 @@ class PoolCapacity:
             return False
         return True
 
+    def fits_without(self, ticket: Any, victim: Any) -> bool:
+        """Whether :meth:`reserve` would place ``ticket`` now if ``victim`` gave its place
+        back first (no side effect): preemption's question
+        (:meth:`qos.Scheduler.preempt`). Only the victim's own engine gains room, and
+        only an engine in rotation counts."""
+        engine = self.router.engine_of(victim)
+        if engine is None or not engine.in_rotation:
+            return False
+        freed = victim.reserved_tokens
+        engine.inflight -= 1
+        engine.inflight_tokens -= freed
+        try:
+            return self.router.choose(ticket.reserved_tokens, commit=False) is not None
+        finally:
+            engine.inflight += 1
+            engine.inflight_tokens += freed
+
     def release(self, ticket: Any) -> None:
         self.router.release(ticket)

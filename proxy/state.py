@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import engine_metrics
-from .admission import Admission
+from .admission import Admission, Pool, Preemption
 from .capacity_leases import BoundPool, LeaseBinding
 from .config import Config, with_upstream_urls
 from .engine_health import HealthChecker
@@ -83,12 +83,14 @@ class ProxyState:
         standalone = isinstance(self.shared, StandaloneState)
         self.admission = Admission(config.to_policy(), pools, rate_limiter=None if standalone else SharedRateLimiter(self.shared), leased=not standalone)
         self.admission.on_engine_removed = self._engine_removed
+        self.admission.preemption = _preemption(config)
         self.leases: LeaseBinding | None = None
         if not standalone:
             self.admission.on_wait = self.shared.request_sync
             self.leases = LeaseBinding(self.shared, self._bound_pools)
         self.metrics = Metrics(lambda: [p.scheduler for p in self.admission.all_pools()], (g.name for g in config.groups), worker=worker[0] if worker else None)
         engine_metrics.register(self.metrics.registry, self.admission.routers)
+        self.admission.on_preempt = self._preempted
         self.metrics.registry.register(SharedStateCollector(self.shared, self._lease_keys))
         self.health: HealthChecker | None = None  # created on startup, inside the loop
         self.started = False
@@ -128,6 +130,7 @@ class ProxyState:
         pools = config.effective_pools()
         models = ModelTable(pools)
         self.admission.reconfigure(policy, pools)
+        self.admission.preemption = _preemption(config)
         self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
         self.sync_engines()
         self.active = ActiveConfig(config, identity, digest, models=models)
@@ -171,6 +174,10 @@ class ProxyState:
         for hook in self.on_engines_synced:
             hook()
 
+    def _preempted(self, pool: Pool, engine: EngineState | None, ticket) -> None:
+        """A request was preempted off ``engine``: count it (``llm_qos_preemptions_total``)."""
+        self.metrics.preemptions.labels(pool.name, engine.name if engine is not None else "", ticket.group).inc()
+
     def _engine_removed(self, engine: EngineState) -> None:
         """An engine left its pool (drained): stop checking it, close its connections."""
         if self.health is not None:
@@ -192,6 +199,12 @@ class ProxyState:
                 e.client = None
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _preemption(config: Config) -> Preemption:
+    """``admission.preemption`` as :class:`proxy.admission.Preemption`."""
+    p = config.admission.preemption
+    return Preemption(p.enabled, None if p.after_s == "auto" else float(p.after_s), p.max_per_request)
 
 
 def _placement(ticket) -> EngineState | None:

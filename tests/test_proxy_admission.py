@@ -16,7 +16,9 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict, **headers: st
 
 
 async def test_platinum_queued_after_bronze_is_admitted_first(make_stack, http):
-    st = await make_stack(max_inflight=1)
+    # strict priority alone (preemption would take the busy bronze request's slot:
+    # tests/test_preemption_process.py)
+    st = await make_stack(max_inflight=1, preemption={"enabled": False})
     sched = st.state.admission.scheduler
     url = st.proxy_url
     busy = asyncio.create_task(_post(http, url, st.chat_body(3, itl_s=0.2, tag="busy")))
@@ -66,7 +68,7 @@ async def test_queue_full_is_429_with_retry_after(make_stack, http):
 
 
 async def test_higher_priority_evicts_lowest_when_queue_full(make_stack, http):
-    st = await make_stack(max_inflight=1, max_queue=1)
+    st = await make_stack(max_inflight=1, max_queue=1, preemption={"enabled": False})  # eviction alone
     sched = st.state.admission.scheduler
     busy = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=0.3)))
     await wait_until(lambda: st.stats.started == 1, what="slot busy")
