@@ -14,6 +14,7 @@ from aiohttp import web
 
 from .config import SECRET_FIELDS
 from .errors import error_response
+from .pool_config import public_url
 from .handlers import STATE
 
 REDACTED = "***"
@@ -37,8 +38,14 @@ def check_admin(request: web.Request) -> web.Response | None:
 def redacted_config(config) -> dict:
     """The config as a dict with every key and credential replaced by ``***``: the value
     of every key named in :data:`proxy.config.SECRET_FIELDS`, wherever it is, and the
-    ``user:password@`` of ``shared_state.url``."""
+    ``user:password@`` of ``shared_state.url`` and of every engine's URL
+    (:func:`proxy.pool_config.public_url`)."""
     data = _redacted(config.model_dump(mode="json"))
+    if isinstance(data.get("upstream"), dict) and data["upstream"].get("url"):
+        data["upstream"]["url"] = public_url(data["upstream"]["url"])
+    for pool in data.get("pools") or ():
+        for engine in pool.get("engines") or ():
+            engine["url"] = public_url(engine["url"])
     shared = data.get("shared_state")
     if shared and "@" in shared["url"]:  # redis://user:password@host
         scheme, _, rest = shared["url"].partition("://")

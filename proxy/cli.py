@@ -109,7 +109,9 @@ def check_config(path: str) -> int:
             for p in cfg.effective_pools()
         )
     else:
-        where = f"upstream {cfg.upstream.url} ({cfg.upstream.kind})"
+        from .pool_config import public_url
+
+        where = f"upstream {public_url(cfg.upstream.url)} ({cfg.upstream.kind})"
     print(f"ok: {path}: {len(cfg.groups)} groups ({', '.join(g.name for g in cfg.groups)}), {users} users, {where}")
     return 0
 

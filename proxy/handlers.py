@@ -46,6 +46,7 @@ from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
 from .errors import error_response
 from .model_routing import ModelTable, Route, model_error, parse_models_body
+from .pool_config import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds
@@ -705,7 +706,7 @@ async def ready(request: web.Request) -> web.Response:
             status = upstream.status
             upstream.close()
             if status < 300:
-                return web.json_response({"status": "ready", "upstream": e.url, "pools": pools})
+                return web.json_response({"status": "ready", "upstream": public_url(e.url), "pools": pools})
             problems.append(f"{e.name}: answered {status} on {path}")
     if not problems:
         return error_response(503, "upstream not ready: no engine is in rotation", code="upstream_not_ready")

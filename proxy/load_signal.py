@@ -61,6 +61,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .config import LoadSignalConfig, UpstreamConfig
+from .pool_config import public_url
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.load_signal")
@@ -294,14 +295,14 @@ class EnginePoller:
             self.reading, self.reading_at = None, -math.inf
             if not self.no_signal:
                 level = logging.INFO if cfg.enabled == "auto" else logging.WARNING
-                log.log(level, "engine %s has no load signal (%s); admission uses its max_inflight alone", upstream.url, e)
+                log.log(level, "engine %s has no load signal (%s); admission uses its max_inflight alone", public_url(upstream.url), e)
             self.no_signal = True
             self._paused_until = math.inf if cfg.enabled == "auto" else now + UNSUPPORTED_RETRY_S
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self._count("error")
             self._error_streak += 1
             if self._error_streak == 3:
-                log.warning("load signal: cannot read the load of %s (%s); admission falls back to max_inflight once the last reading is stale", upstream.url, str(e) or type(e).__name__)
+                log.warning("load signal: cannot read the load of %s (%s); admission falls back to max_inflight once the last reading is stale", public_url(upstream.url), str(e) or type(e).__name__)
             delay = min(MAX_ERROR_BACKOFF_S, cfg.interval_s * 2 ** min(self._error_streak, 6))
         else:
             self._count("ok")

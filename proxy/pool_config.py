@@ -58,6 +58,20 @@ def base_url(v: str) -> str:
     return v.rstrip("/")
 
 
+def public_url(url: str) -> str:
+    """``url`` fit to show: its ``user:password@`` (an engine's credential, sent as Basic
+    auth) written ``***@``; a URL without one is returned unchanged. What an engine's
+    default name, ``/ready``, status pages and log lines show, so that no route or log
+    line reveals the password (``http://u:p@h:8000`` -> ``http://***@h:8000``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{path}"
+
+
 class ModelEntry(_Model):
     """One model name clients may send.
 
@@ -161,7 +175,9 @@ class EngineConfig(_Model):
     """One engine of a pool, as written in the file. Keys left out take the pool-wide
     default named below (:func:`resolve_pools` fills them in).
 
-    ``url``: base URL. ``name``: a short name for metrics and status (default: ``url``).
+    ``url``: base URL (a ``user:password@`` in it is sent as Basic auth). ``name``: a
+    short name for metrics and status (default: ``url``, its ``user:password@`` shown as
+    ``***@``: :func:`public_url`).
     ``kind``, ``api_key``, ``api_key_env``: as in ``upstream`` (default: ``upstream``'s).
     ``max_inflight`` / ``max_inflight_tokens``: this engine's capacity, in requests and in
     reserved tokens (default: ``admission.max_inflight`` / ``max_inflight_tokens``).
@@ -200,8 +216,9 @@ class EngineConfig(_Model):
 
     @property
     def engine_name(self) -> str:
-        """``name``, or the URL when none is given."""
-        return self.name or self.url
+        """``name``, or the URL when none is given (without its credential:
+        :func:`public_url`)."""
+        return self.name or public_url(self.url)
 
 
 class PoolConfig(_Model):
@@ -222,7 +239,7 @@ class PoolConfig(_Model):
     def _unique_inside(self) -> "PoolConfig":
         for what, values in (
             ("model names", [m.name for m in self.models]),
-            ("engine urls", [e.url for e in self.engines]),
+            ("engine urls", [public_url(e.url) for e in self.engines]),
             ("engine names", [e.engine_name for e in self.engines]),
         ):
             dup = sorted({v for v in values if values.count(v) > 1})
@@ -361,7 +378,7 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
     """
     adm = config.admission
     if not config.pools:
-        engine = EngineSpec(DEFAULT_POOL, config.upstream.url, config.upstream, adm.max_inflight, adm.max_inflight_tokens)
+        engine = EngineSpec(DEFAULT_POOL, public_url(config.upstream.url), config.upstream, adm.max_inflight, adm.max_inflight_tokens)
         return (
             PoolSpec(DEFAULT_POOL, (ModelEntry(name=CATCH_ALL),), (engine,), RoutingConfig(), HealthConfig(), single_upstream=True),
         )

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .engine_health import EngineHealth, Health, max_passive_ejections
-from .pool_config import EngineSpec, PoolSpec, RoutingConfig
+from .pool_config import EngineSpec, PoolSpec, RoutingConfig, public_url
 
 
 class Reservable(Protocol):
@@ -217,7 +217,7 @@ class EngineState:
         return {
             "name": self.name,
             "pool": self.spec.pool,
-            "url": self.url,
+            "url": public_url(self.url),  # no user:password@
             "kind": self.spec.kind,
             "state": "draining" if self.draining else h.state.value,
             "inflight": self.inflight,

@@ -19,6 +19,7 @@ from .app import create_app
 from .config import config_digest, parse_config
 from .config_watch import reload_config, watch_config
 from .handlers import STATE
+from .pool_config import public_url
 from .workers import start_worker_socket
 
 log = logging.getLogger("llm_qos.proxy")
@@ -181,8 +182,8 @@ def _serving(state) -> str:
     and kind, or each pool with its engines."""
     if state.active.models.single_upstream:
         up = state.active.config.upstream
-        return f"{up.url} ({up.kind})"
+        return f"{public_url(up.url)} ({up.kind})"
     return "; ".join(
-        f"pool {p.name}: {', '.join(f'{e.name} {e.url}' if e.name != e.url else e.url for e in p.router.engines.values())}"
+        f"pool {p.name}: {', '.join(f'{e.name} {public_url(e.url)}' if e.name != public_url(e.url) else e.name for e in p.router.engines.values())}"
         for p in state.admission.pools.values()
     )

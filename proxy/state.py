@@ -15,6 +15,7 @@ from .engine_health import HealthChecker
 from .identity import IdentityResolver
 from .metrics import Metrics, SharedStateCollector
 from .model_routing import ModelTable
+from .pool_config import public_url
 from .router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .shared_limits import SharedRateLimiter
@@ -187,7 +188,7 @@ class ProxyState:
             task = asyncio.get_running_loop().create_task(client.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        log.info("engine %s (%s) left pool %s", engine.name, engine.url, engine.spec.pool)
+        log.info("engine %s (%s) left pool %s", engine.name, public_url(engine.url), engine.spec.pool)
 
     async def close(self) -> None:
         """Stop the health checks and close every engine's connections (at cleanup)."""

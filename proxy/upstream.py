@@ -33,6 +33,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .config import UpstreamConfig
+from .pool_config import public_url
 from .relay_headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
@@ -125,8 +126,8 @@ class Upstream:
                 "the upstream URL %s ends in /v1: the proxy appends the whole API path itself, so a chat request goes to "
                 "%s/v1/chat/completions; give the engine's base URL without /v1 (the OpenAI SDK's base_url has it, the "
                 "proxy's upstream URL does not), unless the engine really serves under that prefix",
-                config.url,
-                config.url,
+                public_url(config.url),
+                public_url(config.url),
             )
 
     def _url(self, path: str, query: str, cached: bool) -> URL:
@@ -147,7 +148,7 @@ class Upstream:
             log.warning(
                 "the upstream %s rejected stream_options (HTTP %d) and accepted the request without it: "
                 "not adding it any more (usage on streams is estimated; assembled answers carry the engine's usage only if it sends it)",
-                self.config.url,
+                public_url(self.config.url),
                 status,
             )
 
