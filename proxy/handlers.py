@@ -44,7 +44,7 @@ from . import metrics as m
 from .assemble import relay_assembled
 from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
-from .errors import error_response
+from .errors import error_response, retry_after_seconds
 from .model_routing import ModelTable, Route, model_error, parse_models_body
 from .pool_config import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
@@ -216,6 +216,14 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                                 log.info("request %s: engine %s unreachable (%s); sent to engine %s", ex.request_id, engine.name, e.message, nxt.name)
                                 engine = nxt
                                 continue
+                            if pool.tracks_health:
+                                # no engine of the pool could take it (each one tried refused or timed
+                                # out the connection, no other in rotation within its lease): answered
+                                # as when none is in rotation, 503 with Retry-After (issue 21.8)
+                                wait = pool.router.retry_after_s()
+                                ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, RefusalReason.NO_ENGINE.value
+                                why = f"no engine of pool {pool.name!r} could take the request (the last one tried: {e.message})"
+                                return error_response(503, f"{why}; retry after {retry_after_seconds(wait)} s", code=RefusalReason.NO_ENGINE.value, retry_after_s=wait)
                         else:
                             admission.report(engine, False, "timeout" if e.status == 504 else "reset", e.message)
                         ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, e.code

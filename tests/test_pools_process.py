@@ -371,6 +371,26 @@ async def test_zero_healthy_engines_answer_503_with_retry_after_at_once(engines,
     assert 'llm_qos_rejections_total{group="bronze",reason="no_healthy_engine"} 5.0' in text
 
 
+async def test_every_engine_refusing_the_connection_is_503_with_retry_after(proxies, tmp_path, http):
+    """Issue 21.8: both engines of the pool refuse connections (nothing listens on their
+    ports), neither ejected yet: the request tried on each is answered as when none is in
+    rotation, 503 no_healthy_engine with Retry-After (was 502 upstream_unreachable, no
+    Retry-After), and it never reached an engine."""
+    slow = {**FAST_HEALTH, "check_interval_s": 60, "failures_to_eject": 100}
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    cfg = pools_config([{"name": "p", "models": ["m"], "engines": [{"url": u, "name": f"e{i}"} for i, u in enumerate(dead)], "health": slow}])
+    px = proxies(tmp_path, cfg)
+    for _ in range(3):
+        async with http.post(px.url + "/v1/chat/completions", json=chat("m"), headers={"X-User-Id": "carl"}) as r:
+            body = await r.json()
+            assert r.status == 503, body
+            assert body["error"]["code"] == "no_healthy_engine"
+            assert int(r.headers["Retry-After"]) >= 1
+            assert "refused" in body["error"]["message"] or "connect" in body["error"]["message"]
+    rows = engine_rows(await px.status(http))
+    assert all(r["state"] == "healthy" and r["inflight"] == 0 for r in rows.values())  # not ejected; nothing held
+
+
 async def test_one_users_failing_requests_cannot_eject_every_engine(engines, proxies, tmp_path, http):
     """The hostile-client trial: bob (bronze) sends bursts of requests that the engines
     answer 500. With two engines and ``failures_to_eject: 2``, failed requests may eject
