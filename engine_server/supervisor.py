@@ -9,8 +9,15 @@ Life cycle of :meth:`Supervisor.run`:
    ``on_ready``;
 3. wait for either the child's exit or a stop request:
    * stop request (SIGTERM/SIGINT/SIGHUP via :meth:`Supervisor.install_signal_handlers`, or
-     :meth:`Supervisor.request_stop`): send SIGTERM (SIGINT for SIGINT) to the child's process
-     group, wait up to ``grace_s``, then SIGKILL the group. ``run`` returns 0.
+     :meth:`Supervisor.request_stop`): send SIGTERM to the child's process group, whichever
+     signal we got, wait up to ``grace_s`` for the whole group to exit (the leader, then the
+     processes it started: vLLM's EngineCore and Worker), then SIGKILL what is left, saying
+     so in a WARNING line. ``run`` returns 0.
+     Never SIGINT: ``transformers serve`` (5.24) answers SIGINT with a graceful uvicorn
+     shutdown, then re-raises it; the KeyboardInterrupt ends its main thread, and the
+     interpreter then waits forever for continuous batching's generation thread, which is
+     not a daemon (``transformers/generation/continuous_batching/continuous_api.py``), so
+     every Ctrl-C ended in SIGKILL after the grace period. A re-raised SIGTERM kills at once.
    * the child exits on its own (whatever its code, it is never supposed to): a crash. The
      process group is SIGKILLed to reap stragglers, then the child is restarted after a backoff
      (1 s doubling to 30 s by default). A child that had been *ready* for ``crash_window_s``
@@ -55,6 +62,63 @@ def stop_signals() -> tuple[signal.Signals, ...]:
     if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
         sigs.append(signal.SIGHUP)
     return tuple(sigs)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids of the live processes of process group ``pgid`` (zombies left out), read
+    from Linux's ``/proc/<pid>/stat`` (field 5, ``pgrp``; ``proc(5)``). Empty where there
+    is no ``/proc``."""
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) "
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            pids.append(int(entry))
+    return pids
+
+
+async def wait_group_gone(pgid: int, timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` seconds for every live process of group ``pgid`` to exit.
+
+    Event-driven: one ``pidfd`` per member (``os.pidfd_open``, Linux 5.3+; it becomes
+    readable when the process exits, ``pidfd_open(2)``) watched by the event loop. Returns
+    the pids still running at the end (empty: all gone). Where pidfds are not available
+    it returns the members found at once, without waiting.
+    """
+    members = group_members(pgid)
+    if not members or not hasattr(os, "pidfd_open"):
+        return members
+    loop = asyncio.get_running_loop()
+    fds: dict[int, int] = {}
+    gone: dict[int, asyncio.Future] = {}
+    try:
+        for pid in members:
+            try:
+                fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except OSError:  # no pidfd support: do not wait
+                return [p for p in members if p not in gone]
+            fut = loop.create_future()
+            gone[pid] = fut
+            loop.add_reader(fds[pid], lambda f=fut: f.done() or f.set_result(None))
+        if gone and timeout_s > 0:
+            await asyncio.wait(gone.values(), timeout=timeout_s)
+        return [pid for pid, fut in gone.items() if not fut.done()]
+    finally:
+        for fd in fds.values():
+            loop.remove_reader(fd)
+            os.close(fd)
 
 
 @dataclass
@@ -144,7 +208,6 @@ class Supervisor:
         self.stats = SupervisorStats()
         self.process: asyncio.subprocess.Process | None = None
         self._stop = asyncio.Event()
-        self._stop_signal = signal.SIGTERM
         self._ready_at: float | None = None  # clock() when the current child got ready
 
     # ----- control -----
@@ -152,13 +215,13 @@ class Supervisor:
     def request_stop(self, sig: int = signal.SIGTERM) -> None:
         """Ask :meth:`run` to stop the child and return.
 
-        The child's process group gets SIGINT when ``sig`` is SIGINT, else SIGTERM (a SIGHUP
-        to us is a hang-up of our terminal, not a reload: the engine, in its own session,
-        would never see it and live on as an orphan), then SIGKILL after the grace period.
+        The child's process group gets SIGTERM whatever ``sig`` is (SIGINT would leave
+        ``transformers serve`` hanging, see the module docstring; a SIGHUP to us is a hang-up
+        of our terminal, not a reload: the engine, in its own session, would never see it and
+        live on as an orphan), then SIGKILL after the grace period. ``sig`` is only logged.
         """
         if not self._stop.is_set():
             log.info("%s: stop requested (%s)", self.name, signal.Signals(sig).name)
-            self._stop_signal = signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM
             self._stop.set()
 
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -273,8 +336,15 @@ class Supervisor:
     # ----- stopping -----
 
     async def _terminate(self, proc: asyncio.subprocess.Process, exited: asyncio.Future) -> None:
-        """Forward the stop signal to the child's group, SIGKILL it after the grace period."""
-        sig = self._stop_signal
+        """SIGTERM the child's group; SIGKILL what of it still runs after the grace period.
+
+        The grace covers the whole group, not only its leader: vLLM's server exits before its
+        ``EngineCore`` and ``Worker`` processes have finished stopping, so after the leader
+        the launcher waits (:func:`wait_group_gone`) for the others until the grace period
+        ends, and SIGKILLs only those still there then, saying which."""
+        sig = signal.SIGTERM
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.grace_s
         if not exited.done():
             log.info("%s: sending %s to pid %d (grace %.1f s)", self.name, sig.name, proc.pid, self.policy.grace_s)
             self._kill_group(proc.pid, sig)
@@ -285,6 +355,10 @@ class Supervisor:
                 self._kill_group(proc.pid, signal.SIGKILL)
                 await exited
         log.info("%s: pid %d exited with code %s", self.name, proc.pid, proc.returncode)
+        left = await wait_group_gone(proc.pid, max(0.0, deadline - loop.time()))
+        if left:
+            log.warning("%s: %d process(es) of its group still running %.1f s after the stop: SIGKILL (pids %s)",
+                        self.name, len(left), self.policy.grace_s, ", ".join(map(str, left)))
         self._kill_group(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
 
     @staticmethod
