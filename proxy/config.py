@@ -18,10 +18,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
+from qos.capacity_control import ControlSettings
 
 from .pool_config import PassthroughConfig, PoolConfig, PoolSpec, base_url, bundled_pool_config, check_pools, resolve_pools
 
 PositiveFloat = Annotated[float, Field(gt=0)]
+HEADROOM_PER_RANK = 0.05  # a group's default headroom per group above it
+HEADROOM_DEFAULT_MAX = 0.25
 
 
 def _secret(value: str | None, env_name: str | None) -> str | None:
@@ -121,6 +124,60 @@ class UpstreamConfig(_Model):
         return _secret(self.api_key, self.api_key_env)
 
 
+class CapacityConfig(_Model):
+    """How each engine's capacity (requests it runs at once) is found
+    (:mod:`qos.capacity_control`; docs/configuration.md, ``admission.capacity``).
+
+    ``mode``: ``adaptive`` (default): a closed loop per engine finds it from the engine's
+    own queue and KV reports and the per-token time the proxy measures; ``max_inflight``,
+    when set, is then only its ceiling (and its starting point). ``fixed``: the capacity is
+    ``max_inflight`` (8 when unset), as a hand-set number. ``initial`` (16): the starting
+    limit when ``max_inflight`` is unset. ``max`` (1024): the ceiling when
+    ``max_inflight`` is unset. ``min`` (1): the least it may fall to. ``tpot_slowdown``
+    (4.0): the bound on slowing tokens, a multiple of the engine's unloaded time per
+    output token. ``backoff`` (0.9): the multiplicative decrease. ``latency_floor`` (0.5):
+    latency alone never takes the limit below this fraction of the limit it had when
+    tokens were last within the bound.
+    """
+
+    mode: Literal["adaptive", "fixed"] = "adaptive"
+    initial: int = Field(default=16, ge=1, le=100_000)
+    max: int = Field(default=1024, ge=1, le=100_000)
+    min: int = Field(default=1, ge=1, le=100_000)
+    tpot_slowdown: float = Field(default=4.0, gt=1, le=1000)
+    backoff: float = Field(default=0.9, gt=0, lt=1)
+    latency_floor: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CapacityConfig":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+    def settings(self, max_inflight: int | None) -> ControlSettings | None:
+        """The controller settings of an engine whose ``max_inflight`` (engine's, else
+        ``admission``'s) is ``max_inflight``; ``None`` in ``fixed`` mode."""
+        if self.mode == "fixed":
+            return None
+        ceiling = max_inflight if max_inflight is not None else self.max
+        floor = min(self.min, ceiling)
+        initial = max_inflight if max_inflight is not None else min(self.initial, ceiling)
+        return ControlSettings(
+            initial=initial, ceiling=ceiling, floor=floor, tpot_slowdown=self.tpot_slowdown,
+            backoff=self.backoff, latency_floor_fraction=self.latency_floor,
+        )  # fmt: skip
+
+    def ceiling(self, max_inflight: int | None) -> int:
+        """The most requests an engine may ever run: ``max_inflight`` when set, else
+        ``max`` (adaptive) or 8 (fixed, the historical default)."""
+        if max_inflight is not None:
+            return max_inflight
+        return self.max if self.mode == "adaptive" else FIXED_DEFAULT_INFLIGHT
+
+
+FIXED_DEFAULT_INFLIGHT = 8  # admission.max_inflight when unset and capacity.mode is fixed
+
+
 class PreemptionConfig(_Model):
     """Preemption when the engine is full (``docs/scheduling.md``, Preemption).
 
@@ -142,20 +199,32 @@ class PreemptionConfig(_Model):
 class AdmissionConfig(_Model):
     """Capacity, queueing and per-user state (see :class:`qos.SchedulerPolicy`).
 
+    ``max_inflight``: requests one engine runs at once: with ``capacity.mode: adaptive``
+    (default) an optional ceiling on the capacity found (unset: none but
+    ``capacity.max``); with ``fixed``, the capacity itself (default 8).
+
     ``max_users``: most users whose fair-share state is kept (users with requests queued
     or in flight always are); ``forget_users_after_s``: a user with nothing queued or in
     flight for this long is forgotten (it would be lifted to its class's virtual time
     when it returns anyway).
     """
 
-    max_inflight: int = Field(default=8, ge=1)
+    max_inflight: int | None = Field(default=None, ge=1)
     max_inflight_tokens: int | None = Field(default=None, ge=1)
+    capacity: CapacityConfig = CapacityConfig()
     max_queue: int = Field(default=1000, ge=0)
     queue_timeout_s: PositiveFloat = 30.0
     share_window_s: PositiveFloat = 30.0
     max_users: int = Field(default=20000, ge=1)
     forget_users_after_s: PositiveFloat = 300.0
     preemption: PreemptionConfig = PreemptionConfig()
+
+    def starting_inflight(self) -> int:
+        """Requests in flight one engine starts with: ``max_inflight`` when set, else
+        ``capacity.initial`` (adaptive) or 8 (fixed)."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        return self.capacity.initial if self.capacity.mode == "adaptive" else FIXED_DEFAULT_INFLIGHT
 
 
 class CostConfig(_Model):
@@ -251,7 +320,9 @@ class GroupConfig(_Model):
     """One priority class; groups are listed highest priority first.
 
     ``max_tokens`` caps the output a request of this group may ask for (see
-    ``limits.max_tokens_action``)."""
+    ``limits.max_tokens_action``). ``headroom``: the fraction of each engine's capacity
+    this group may not fill, kept free for the groups above it (default: 0.05 for each
+    group above it, at most 0.25; the top group 0: :meth:`Config.headroom_of`)."""
 
     name: str = Field(min_length=1)
     users: list[UserConfig] = []
@@ -260,6 +331,7 @@ class GroupConfig(_Model):
     rate_limit: RateLimitConfig = RateLimitConfig()
     default_user_weight: float = Field(default=1.0, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
+    headroom: float | None = Field(default=None, ge=0, le=0.9)
 
 
 class SharedStateConfig(_Model):
@@ -360,6 +432,13 @@ class Config(_Model):
                 return g
         raise KeyError(name)
 
+    def headroom_of(self, rank: int) -> float:
+        """The ``headroom`` of the group at ``rank`` (0: the top): its own when set, else
+        :data:`HEADROOM_PER_RANK` per group above it, at most :data:`HEADROOM_DEFAULT_MAX`
+        (gold 0.05, silver 0.10, bronze 0.15 in the shipped four-group config)."""
+        own = self.groups[rank].headroom
+        return own if own is not None else min(HEADROOM_DEFAULT_MAX, HEADROOM_PER_RANK * rank)
+
     def to_policy(self) -> SchedulerPolicy:
         """The scheduler policy this config describes."""
         users = {
@@ -367,12 +446,12 @@ class Config(_Model):
         }
         return SchedulerPolicy(
             groups=tuple(
-                GroupPolicy(g.name, g.max_queue, g.min_share, g.rate_limit.to_policy(), g.default_user_weight)
-                for g in self.groups
+                GroupPolicy(g.name, g.max_queue, g.min_share, g.rate_limit.to_policy(), g.default_user_weight, self.headroom_of(i))
+                for i, g in enumerate(self.groups)
             ),
             default_group=self.default_group,
             users=users,
-            max_inflight=self.admission.max_inflight,
+            max_inflight=self.admission.starting_inflight(),
             max_inflight_tokens=self.admission.max_inflight_tokens,
             max_queue=self.admission.max_queue,
             queue_timeout_s=self.admission.queue_timeout_s,

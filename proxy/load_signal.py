@@ -60,6 +60,8 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qos.capacity_control import Observation
+
 from .config import LoadSignalConfig, UpstreamConfig
 from .pool_config import public_url
 from .state import ProxyState
@@ -213,15 +215,20 @@ class EnginePoller:
         on_room: called with the engine when its limit was raised or lifted (the proxy
             dispatches its pool's queue).
         totals: the proxy-wide poll counts to add this engine's to.
+        clock: monotonic clock (seconds).
+        demand: whether requests wait in the proxy for the engine's pool now (the
+            capacity controller grows only under demand).
 
     Attributes:
         reading, reading_at, saturated, limit, no_signal, polls: as for :class:`LoadSignal`,
             for this engine.
     """
 
-    def __init__(self, engine, on_room, totals: dict[str, int], clock=time.monotonic) -> None:
+    def __init__(self, engine, on_room, totals: dict[str, int], clock=time.monotonic, demand=lambda: False) -> None:
         self.engine = engine
         self._on_room = on_room
+        self._demand = demand
+        self._new_reading = False
         self._totals = totals
         self._clock = clock
         self._task: asyncio.Task | None = None
@@ -286,6 +293,7 @@ class EnginePoller:
         now = self._clock()
         if source is None or now < self._paused_until:
             self._apply(None, signal="off" if source is None else "no_signal")
+            self._control(None, cfg)
             return cfg.interval_s
         delay = cfg.interval_s
         try:
@@ -309,6 +317,7 @@ class EnginePoller:
             self._error_streak = 0
             self.no_signal = False
             self.reading, self.reading_at = reading, self._clock()
+            self._new_reading = True
         fresh = self.reading if self._clock() - self.reading_at <= cfg.stale_after_s else None
         if self.no_signal:
             signal = "no_signal"
@@ -317,7 +326,34 @@ class EnginePoller:
         else:
             signal = "ok" if fresh is not None else "stale"
         self._apply(fresh, cfg, signal)
+        self._control(fresh if self._new_reading else None, cfg)
+        self._new_reading = False
         return delay
+
+    def _control(self, fresh: Reading | None, cfg: LoadSignalConfig) -> None:
+        """One step of the engine's capacity controller (:mod:`qos.capacity_control`) from
+        ``fresh`` (a reading taken in this step, else ``None``: an old reading is not
+        counted twice) and the latency the proxy measured there since the last step;
+        dispatch when the capacity grew."""
+        engine = self.engine
+        before = engine.capacity
+        sample = engine.meter.sample()
+        engine.control.step(
+            Observation(
+                now=self._clock(),
+                inflight=engine.inflight,
+                demand=self._demand(),
+                engine_waiting=None if fresh is None else fresh.waiting,
+                queue_at=cfg.queue_at,
+                kv_usage=None if fresh is None else fresh.load,
+                saturated_at=cfg.saturated_at,
+                tpot_s=sample.tpot_s,
+                streams=sample.streams,
+                ttft_s=sample.ttft_s,
+            )
+        )
+        if engine.capacity > before:
+            self._on_room(engine)
 
     async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
         """One ``GET`` of the load source.
@@ -353,7 +389,11 @@ class EnginePoller:
         """Set the engine's load and capacity limit from a fresh reading (``None``: none)."""
         engine = self.engine
         saturated = fresh is not None and cfg is not None and is_saturated(fresh, cfg)
-        limit = capacity_for(fresh, cfg, engine.inflight) if fresh is not None and cfg is not None else None
+        # an adaptive engine's controller lowers its limit on the same reading
+        # (:meth:`_control`); the old rule, a hold at 1 and room fed as the load falls,
+        # is kept for a fixed capacity
+        fixed = not engine.control.adaptive
+        limit = capacity_for(fresh, cfg, engine.inflight) if fixed and fresh is not None and cfg is not None else None
         if saturated != self.saturated:
             self.saturated = saturated
             if saturated:
@@ -452,8 +492,18 @@ class LoadSignal:
             task.add_done_callback(self._stopping.discard)
         for e in live:
             if e not in self._pollers:
-                poller = self._pollers[e] = EnginePoller(e, self._state.admission.dispatch, self.polls, self._clock)
+                poller = self._pollers[e] = EnginePoller(e, self._state.admission.dispatch, self.polls, self._clock, self._demand_of(e))
                 poller.start()
+
+    def _demand_of(self, engine):
+        """A function telling whether requests wait in ``engine``'s pool now."""
+        admission = self._state.admission
+
+        def demand() -> bool:
+            pool = admission.pool_of(engine)
+            return pool is not None and pool.scheduler.queued > 0
+
+        return demand
 
     async def stop(self) -> None:
         """Stop polling, lift every hold, close the connections."""

@@ -276,8 +276,12 @@ class EngineSpec:
             :class:`proxy.config.UpstreamConfig` whose ``url``, ``kind``, credential and
             ``load_signal`` are this engine's): pass it to :class:`proxy.upstream.Upstream`
             and the load-signal poller as they are.
-        max_inflight: requests it may run at once (>= 1).
+        max_inflight: the most requests it may run at once (>= 1): the ceiling of its
+            capacity controller, or its fixed capacity.
         max_inflight_tokens: reserved tokens it may hold at once, or ``None``.
+        control: its capacity controller's settings
+            (:class:`qos.capacity_control.ControlSettings`), or ``None`` for a fixed
+            capacity of ``max_inflight`` (``admission.capacity.mode: fixed``).
         weight: routing weight (> 0).
         priority_field, priority_order: two-level scheduling (see :class:`EngineConfig`).
     """
@@ -288,6 +292,7 @@ class EngineSpec:
     max_inflight: int
     max_inflight_tokens: int | None
     weight: float = 1.0
+    control: Any = None
     priority_field: str | None = None
     priority_order: str = "lower_first"
 
@@ -378,7 +383,11 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
     """
     adm = config.admission
     if not config.pools:
-        engine = EngineSpec(DEFAULT_POOL, public_url(config.upstream.url), config.upstream, adm.max_inflight, adm.max_inflight_tokens)
+        cap = adm.capacity
+        engine = EngineSpec(
+            DEFAULT_POOL, public_url(config.upstream.url), config.upstream, cap.ceiling(adm.max_inflight), adm.max_inflight_tokens,
+            control=cap.settings(adm.max_inflight),
+        )  # fmt: skip
         return (
             PoolSpec(DEFAULT_POOL, (ModelEntry(name=CATCH_ALL),), (engine,), RoutingConfig(), HealthConfig(), single_upstream=True),
         )
@@ -389,7 +398,8 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
                 pool=pool.name,
                 name=e.engine_name,
                 upstream=_engine_upstream(config.upstream, e),
-                max_inflight=e.max_inflight if e.max_inflight is not None else adm.max_inflight,
+                max_inflight=adm.capacity.ceiling(e.max_inflight if e.max_inflight is not None else adm.max_inflight),
+                control=adm.capacity.settings(e.max_inflight if e.max_inflight is not None else adm.max_inflight),
                 max_inflight_tokens=e.max_inflight_tokens if e.max_inflight_tokens is not None else adm.max_inflight_tokens,
                 weight=e.weight,
                 priority_field=e.priority_field,

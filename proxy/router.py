@@ -11,13 +11,20 @@ comes from :mod:`proxy.engine_health`, load readings from whoever polls them.
 
 Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max output):
 
-* **capacity** ``cap(e) = min(max_inflight, limit, lease)``, where ``limit`` is the
-  capacity limit the engine's load signal sets (:func:`proxy.load_signal.capacity_for`: 1
-  while it reports itself saturated; absent when there is none), and ``lease`` is this
+* **capacity** ``cap(e) = min(found, max_inflight, limit, lease)``, where ``found`` is
+  what its capacity controller found (:mod:`qos.capacity_control`, stepped by the load
+  poller; ``max_inflight`` itself with ``admission.capacity.mode: fixed``), ``limit`` is
+  the capacity limit a fixed engine's load signal sets
+  (:func:`proxy.load_signal.capacity_for`: 1 while it reports itself saturated; absent when
+  there is none; an adaptive engine's controller reacts to the same reading), and ``lease`` is this
   process's part of the engine when several replicas share it (granted through Redis:
   :mod:`proxy.capacity_leases`; absent standalone). A lease may be 0, and a token lease
   caps ``inflight_tokens + t`` (another replica's requests may be running there).
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
+* **headroom of a class**: a request of a class with ``headroom`` h (the fraction of each
+  engine it leaves to the classes above it) fits only while
+  ``inflight < room_for(cap(e), h)`` (:func:`qos.capacity.room_for`), so lower classes
+  never fill the last part of an engine and a higher class's request is dispatched at once.
 * **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
   ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens``. No
   exception for an idle engine: a request goes only to an engine whose token capacity
@@ -63,7 +70,12 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from qos.capacity import room_for
+from qos.capacity_control import CapacityController
+from qos.capacity_control import fixed as fixed_capacity
+
 from .engine_health import EngineHealth, Health, max_passive_ejections
+from .engine_meter import EngineMeter
 from .pool_config import EngineSpec, PoolSpec, RoutingConfig, public_url
 
 
@@ -99,6 +111,9 @@ class EngineState:
             ``waiting``, ``ok``, ``stale``, ``no_signal``).
         routed: requests placed on it since start (a metric).
         client: its connections (a :class:`proxy.upstream.Upstream`), set by the proxy.
+        control: its capacity controller (:class:`qos.capacity_control.CapacityController`),
+            stepped by its load poller (:mod:`proxy.load_signal`).
+        meter: what the proxy measures of its requests there (:class:`proxy.engine_meter.EngineMeter`).
     """
 
     spec: EngineSpec
@@ -115,7 +130,19 @@ class EngineState:
     client: Any = field(default=None, repr=False)
     lease_slots: int | None = None
     lease_tokens: int | None = None
+    control: CapacityController = field(default=None, repr=False)  # type: ignore[assignment]
+    meter: EngineMeter = field(default_factory=EngineMeter, repr=False)
     _wrr: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.control is None:
+            spec = self.spec
+            self.control = CapacityController(spec.control) if spec.control is not None else fixed_capacity(spec.max_inflight)
+
+    @property
+    def baseline_ttft_s(self) -> float | None:
+        """Its time to first token with little load (seconds), as measured, or ``None``."""
+        return self.control.baseline_ttft_s
 
     @property
     def name(self) -> str:
@@ -141,12 +168,38 @@ class EngineState:
         return self.spec.max_inflight_tokens
 
     @property
-    def capacity(self) -> int:
-        """Requests it may run now: ``max_inflight``, lowered by the load signal's limit
-        and by this process's lease (the only thing that can make it 0)."""
+    def found_capacity(self) -> int:
+        """Requests the engine as a whole may run now, as its capacity controller found
+        (:mod:`qos.capacity_control`; ``max_inflight`` when fixed), lowered by an outside
+        limit (``capacity_limit``: a fixed capacity's load-signal hold,
+        :func:`proxy.load_signal.capacity_for`): what several replicas' leases share out
+        (:mod:`proxy.capacity_leases`)."""
+        cap = min(self.control.value, self.spec.max_inflight)
         limit = self.capacity_limit
-        cap = self.spec.max_inflight if limit is None else max(1, min(limit, self.spec.max_inflight))
+        return cap if limit is None else max(1, min(limit, cap))
+
+    @property
+    def capacity(self) -> int:
+        """Requests it may run now: :attr:`found_capacity`, lowered by this process's
+        lease (the only thing that can make it 0)."""
+        cap = self.found_capacity
         return cap if self.lease_slots is None else min(cap, self.lease_slots)
+
+    def configure(self, spec: EngineSpec) -> None:
+        """Take a reloaded ``spec``; the controller keeps what it found, clipped into the
+        new ceiling and floor (a switch between fixed and adaptive starts it anew)."""
+        old, self.spec = self.spec, spec
+        if spec.control is None:
+            if self.control.adaptive or self.control.value != spec.max_inflight:
+                self.control = fixed_capacity(spec.max_inflight)
+        elif not self.control.adaptive or old.control != spec.control:
+            if not self.control.adaptive:
+                self.control = CapacityController(spec.control)
+                return
+            self.control.configure(spec.control)
+            if old.control is None or old.control.initial != spec.control.initial:
+                # the operator named a new starting point (max_inflight): start there
+                self.control.limit = float(spec.control.initial)
 
     def set_lease(self, slots: int | None, tokens: int | None) -> None:
         """This process's part of the engine, in requests and reserved tokens (``None``:
@@ -160,9 +213,11 @@ class EngineState:
         """Healthy and not draining."""
         return self.health.state is Health.HEALTHY and not self.draining
 
-    def fits(self, tokens: int) -> bool:
-        """Whether a request reserving ``tokens`` may be placed here now (module docstring)."""
-        if not self.in_rotation or self.inflight >= self.capacity:
+    def fits(self, tokens: int, headroom: float = 0.0) -> bool:
+        """Whether a request reserving ``tokens`` of a class with ``headroom`` (the
+        fraction of the capacity it leaves to the classes above: :func:`qos.capacity.room_for`)
+        may be placed here now (module docstring)."""
+        if not self.in_rotation or self.inflight >= room_for(self.capacity, headroom):
             return False
         if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
             return False
@@ -214,6 +269,7 @@ class EngineState:
         ``ejection_held`` (one is being refused now), ``failures``, ``probe_in_s``,
         ``last_error``."""
         h = self.health
+        c = self.control
         return {
             "name": self.name,
             "pool": self.spec.pool,
@@ -223,6 +279,14 @@ class EngineState:
             "inflight": self.inflight,
             "capacity": self.capacity,
             "max_inflight": self.spec.max_inflight,
+            "capacity_mode": "adaptive" if c.adaptive else "fixed",
+            "capacity_found": self.found_capacity,
+            "capacity_reason": c.reason,
+            "capacity_decreases": dict(c.decreases),
+            "tpot_s": _ms(c.tpot_s),
+            "baseline_tpot_s": _ms(c.baseline_tpot_s),
+            "ttft_s": _ms(c.ttft_s),
+            "baseline_ttft_s": _ms(c.baseline_ttft_s),
             "inflight_tokens": self.inflight_tokens,
             "max_inflight_tokens": self.spec.max_inflight_tokens,
             "load": self.load,
@@ -239,6 +303,11 @@ class EngineState:
             "probe_in_s": None if h.ejected_until is None else round(h.retry_after_s() or 0.0, 3),
             "last_error": h.last_error,
         }
+
+
+def _ms(v: float | None) -> float | None:
+    """Seconds rounded to the millisecond's tenth, for status pages."""
+    return None if v is None else round(v, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,11 +433,14 @@ class PoolRouter:
                     e.set_lease(0, 0 if spec.max_inflight_tokens is not None else None)
                 added.append(spec.name)
             else:
+                old_url, old_kind = e.spec.url, e.spec.kind
                 if (e.spec.url, e.spec.kind) != (spec.url, spec.kind):
                     e.health.reset()
                     e.set_load(None)
                     reset.append(spec.name)
-                e.spec = spec
+                e.configure(spec)
+                if (e.spec.url, e.spec.kind) != (old_url, old_kind):
+                    e.control = CapacityController(spec.control) if spec.control is not None else fixed_capacity(spec.max_inflight)
                 e.draining = False
                 e.health.reconfigure(pool.health)
                 updated.append(spec.name)
@@ -397,7 +469,13 @@ class PoolRouter:
     # ---------------------------------------------------------------- choice
 
     def choose(
-        self, tokens: int, key: str | None = None, exclude: Collection[EngineState] = (), commit: bool = True, over: bool = False
+        self,
+        tokens: int,
+        key: str | None = None,
+        exclude: Collection[EngineState] = (),
+        commit: bool = True,
+        over: bool = False,
+        headroom: float = 0.0,
     ) -> EngineState | None:
         """The engine for a request reserving ``tokens``, or ``None`` when none fits.
 
@@ -411,8 +489,9 @@ class PoolRouter:
                 before it was sent: :meth:`reroute`), but never past a lease (a lease is
                 this replica's part of an engine other replicas also fill) and never one
                 whose token capacity cannot hold the request at all.
+            headroom: the requesting class's headroom (:func:`qos.capacity.room_for`).
         """
-        cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens)]
+        cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens, headroom)]
         if not cands and over:
             rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and e.can_hold(tokens) and _within_lease(e, tokens)]
             return max(rest, key=lambda e: e.headroom(tokens), default=None)
@@ -468,9 +547,9 @@ class PoolRouter:
         """Whether some engine in rotation has room for ``ticket`` now."""
         return self.choose(ticket.reserved_tokens, commit=False) is not None
 
-    def reserve(self, ticket: Reservable, key: str | None = None) -> EngineState:
+    def reserve(self, ticket: Reservable, key: str | None = None, headroom: float = 0.0) -> EngineState:
         """Place ``ticket`` on the engine :meth:`choose` picks (affinity key ``key``,
-        else ``affinity_of(ticket)``) and count it there.
+        else ``affinity_of(ticket)``; its class's ``headroom`` kept free) and count it there.
 
         Raises:
             NoEngineFits: no engine has room (call :meth:`fits` first).
@@ -480,7 +559,7 @@ class PoolRouter:
             raise ValueError("this request is already placed on an engine")
         if key is None and self.routing.affinity.enabled:
             key = self.affinity_of(ticket)
-        engine = self.choose(ticket.reserved_tokens, key)
+        engine = self.choose(ticket.reserved_tokens, key, headroom=headroom)
         if engine is None:
             raise NoEngineFits(f"no engine of pool {self.name!r} has room for {ticket.reserved_tokens} tokens")
         self._place(ticket, engine)
@@ -611,13 +690,16 @@ class PoolCapacity:
 
     def __init__(self, router: PoolRouter, affinity_of: Callable[[Any], str | None] | None = None) -> None:
         self.router = router
+        self._headroom: dict[str, float] = {}
         if affinity_of is not None:
             router.affinity_of = affinity_of
 
     def configure(self, policy: Any) -> None:
-        """Nothing: a pool's limits are its engines' (``pools[].engines[]``, or
-        ``admission.max_inflight`` / ``max_inflight_tokens`` for the single upstream),
+        """Take the classes' ``headroom`` from ``policy``; a pool's limits are its
+        engines' (``pools[].engines[]``, or ``admission.max_inflight`` /
+        ``max_inflight_tokens`` and ``admission.capacity`` for the single upstream),
         applied by :meth:`PoolRouter.reconfigure`."""
+        self._headroom = {g.name: g.headroom for g in policy.groups if g.headroom > 0}
 
     @property
     def max_inflight_tokens(self) -> int | None:
@@ -668,7 +750,7 @@ class PoolCapacity:
 
     def reserve(self, ticket: Any) -> bool:
         try:
-            ticket.placement = self.router.reserve(ticket)
+            ticket.placement = self.router.reserve(ticket, headroom=self._headroom.get(ticket.group, 0.0))
         except NoEngineFits:
             return False
         return True
@@ -685,7 +767,7 @@ class PoolCapacity:
         engine.inflight -= 1
         engine.inflight_tokens -= freed
         try:
-            return self.router.choose(ticket.reserved_tokens, commit=False) is not None
+            return self.router.choose(ticket.reserved_tokens, commit=False, headroom=self._headroom.get(ticket.group, 0.0)) is not None
         finally:
             engine.inflight += 1
             engine.inflight_tokens += freed

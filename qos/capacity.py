@@ -22,6 +22,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from .ticket import Ticket
 
 
+def room_for(capacity: int, headroom: float) -> int:
+    """The most requests a class with ``headroom`` (a fraction, 0 <= h < 1) may have an
+    engine of ``capacity`` requests run at once: ``capacity - floor(headroom x
+    capacity)``, and never less than 1 while ``capacity`` >= 1, so no class is starved by
+    its headroom (the top class, headroom 0, may fill the whole capacity).
+
+    Example: capacity 128 with headroom 0.15 leaves 19 requests' room to the classes above
+    (109 for this class); capacity 6 leaves none (0.9 rounds down)."""
+    if capacity <= 0:
+        return capacity
+    return capacity - min(capacity - 1, int(headroom * capacity))
+
+
 class Capacity(Protocol):
     """What the scheduler asks about capacity (all sizes in tokens of reservation:
     prompt + reserved output, :attr:`qos.Ticket.reserved_tokens`).
@@ -65,7 +78,8 @@ class Capacity(Protocol):
         preempted on."""
 
     def reserve(self, ticket: Ticket) -> bool:
-        """Give ``ticket`` room now if it fits (and, for a pool, choose where: set
+        """Give ``ticket`` room now if it fits, its class's headroom kept free for the
+        classes above (:func:`room_for`), and, for a pool, choose where (set
         ``ticket.placement``); False and no change if it does not."""
 
     def release(self, ticket: Ticket) -> None:
@@ -88,12 +102,15 @@ class LocalCapacity:
         self.lease_tokens: int | None = None
         self._inflight = 0
         self._inflight_tokens = 0
+        self._policy: SchedulerPolicy | None = None
 
     def configure(self, policy: SchedulerPolicy) -> None:
-        """Take ``max_inflight`` and ``max_inflight_tokens`` from ``policy`` (requests
-        in flight keep their room; a lower limit lets the surplus finish)."""
+        """Take ``max_inflight``, ``max_inflight_tokens`` and the classes' headroom from
+        ``policy`` (requests in flight keep their room; a lower limit lets the surplus
+        finish)."""
         self.max_inflight = policy.max_inflight
         self.max_inflight_tokens = policy.max_inflight_tokens
+        self._policy = policy
 
     def set_limit(self, limit: int | None) -> None:
         """Lower the slots below ``max_inflight`` (``None`` lifts the limit).
@@ -166,6 +183,8 @@ class LocalCapacity:
     def reserve(self, ticket: Ticket) -> bool:
         tokens = ticket.reserved_tokens
         if not self.fits(tokens):
+            return False
+        if self._policy is not None and self._inflight >= room_for(self.slots, self._policy.headroom_of(ticket.group)):
             return False
         self._inflight += 1
         self._inflight_tokens += tokens

@@ -134,6 +134,10 @@ class GroupPolicy:
             work waiting, even when higher classes are backlogged; 0 means strict priority.
         limits: rate limits on the whole class (all its users together).
         default_user_weight: weight of a user of this class not listed in the config.
+        headroom: fraction (0 <= h < 1) of an engine's capacity this class may not fill,
+            kept for the classes above it: its requests are dispatched only while fewer
+            than :func:`qos.capacity.room_for` ``(capacity, headroom)`` requests run
+            there. 0 for the top class.
     """
 
     name: str
@@ -141,6 +145,7 @@ class GroupPolicy:
     min_share: float = 0.0
     limits: RateLimit = RateLimit()
     default_user_weight: float = 1.0
+    headroom: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,10 @@ class SchedulerPolicy:
         forget_users_after_s: a user with nothing queued or in flight for this long
             (seconds) is forgotten; its counter would be lifted to the class's virtual
             time anyway when it returns.
+        hold_slot_s: seconds a freed slot is kept for the most owed user of its class
+            that has nothing waiting but requests in flight or just ended (its next
+            request takes it), when that user ranks before every user waiting; 0 turns
+            holds off (:mod:`qos.slot_holds`).
 
     Raises:
         ValueError: from ``__post_init__`` when the policy is inconsistent.
@@ -184,6 +193,7 @@ class SchedulerPolicy:
     share_window_s: float = 30.0
     max_users: int = 20000
     forget_users_after_s: float = 300.0
+    hold_slot_s: float = 0.05
     _group_by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -206,15 +216,24 @@ class SchedulerPolicy:
             raise ValueError("max_users must be >= 1")
         if not self.forget_users_after_s > 0:
             raise ValueError("forget_users_after_s must be > 0")
+        if not (math.isfinite(self.hold_slot_s) and self.hold_slot_s >= 0):
+            raise ValueError("hold_slot_s must be a finite number >= 0")
         for g in self.groups:
             if not (math.isfinite(g.default_user_weight) and g.default_user_weight >= 0):
                 raise ValueError(f"group {g.name!r} has a default_user_weight that is not a finite number >= 0")
+            if not (0.0 <= g.headroom < 1.0):
+                raise ValueError(f"group {g.name!r} has a headroom outside [0, 1)")
         object.__setattr__(self, "_group_by_name", {g.name: g for g in self.groups})
         for u in self.users.values():
             if u.group not in names:
                 raise ValueError(f"user {u.user_id!r} names unknown group {u.group!r}")
             if not (math.isfinite(u.weight) and u.weight >= 0):
                 raise ValueError(f"user {u.user_id!r} has a weight that is not a finite number >= 0")
+
+    def headroom_of(self, group: str) -> float:
+        """The ``headroom`` of class ``group`` (0 for a class the policy does not know)."""
+        g = self._group_by_name.get(group)
+        return 0.0 if g is None else g.headroom
 
     def group_index(self, name: str) -> int:
         """Return the priority index of group ``name`` (0 = highest). Raises KeyError."""

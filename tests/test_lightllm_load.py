@@ -199,7 +199,8 @@ class MetricsUpstream:
 async def _proxy_in_process(aiohttp_server, upstream_url: str, signal: dict, max_inflight: int = 4):
     cfg = {
         "upstream": {"url": upstream_url, "kind": "openai", "load_signal": signal},
-        "admission": {"max_inflight": max_inflight, "queue_timeout_s": 20},
+        # the load signal's hold of a fixed capacity (an adaptive one: tests/test_capacity_control.py)
+        "admission": {"max_inflight": max_inflight, "queue_timeout_s": 20, "capacity": {"mode": "fixed"}},
         "default_group": "g",
         "groups": [{"name": "g"}],
     }
@@ -358,13 +359,16 @@ async def test_reported_saturation_holds_new_requests_in_the_proxy(proxied, ligh
 
 
 @pytest.mark.parametrize("failure", [{"status": 500}, {"hang_s": 5}])
-async def test_a_failing_token_load_falls_back_to_max_inflight(proxied, lightllm, failure):
+async def test_a_failing_token_load_falls_back_to_latency_and_capacity_grows_again(proxied, lightllm, failure):
+    """The capacity controller (adaptive, the default) held the engine at what it ran while
+    saturated; once the readings fail and go stale it is steered by latency alone, and the
+    demand of waiting requests grows it again: it never stays collapsed."""
     lightllm.set_token_load({"current_load": 0.99, "dynamic_max_load": 0.99})
     await until_gauge(proxied, "llm_qos_upstream_saturated", 1.0)
     lightllm.set_token_load({"current_load": 0.99, "dynamic_max_load": 0.99, **failure})
     await until_gauge(proxied, "llm_qos_upstream_saturated", 0.0, timeout=4.0)  # stale after 1 s
     async with aiohttp.ClientSession() as s:
-        tasks = [asyncio.create_task(s.post(proxied + "/generate", json=gen(10, itl_s=0.05))) for _ in range(3)]
+        tasks = [asyncio.create_task(s.post(proxied + "/generate", json=gen(20, itl_s=0.25))) for _ in range(3)]
         await wait_until(lambda: lightllm.stats.running == 3, what="all three at once again")
         for t in tasks:
             r = await t

@@ -1,0 +1,103 @@
+"""What the proxy measures of its own requests on one engine: time to first token and
+time per output token, the latency half of the capacity controller's input
+(:mod:`qos.capacity_control`).
+
+Fed from the request path: :meth:`EngineMeter.progress` with each request's cumulative
+output count as its stream advances (the relay's progress callback), :meth:`finished`
+when it ends. Read once per control step with :meth:`sample`:
+
+* **time to first token** (TTFT): from dispatch (the ticket's ``admitted_at``) to the
+  first output token, one sample per request whose first token came since the last step;
+* **time per output token** (TPOT) of a stream over the last step: the time between its
+  last token of the previous step and its last token now, divided by the tokens in
+  between; the step's figure is the **median** over the streams that advanced. A stream
+  that did not advance (its client stopped reading, or it is waiting inside the engine) is
+  left out, and a median is moved by no minority of streams, so a few clients that read
+  slowly or send huge prompts cannot make every stream look slow.
+
+Memory is one small entry per request in flight on the engine, dropped when it ends (or at
+the next step, for one whose end was never reported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qos import TicketState
+
+
+@dataclass(slots=True)
+class _Stream:
+    n: int  # output tokens so far
+    last_at: float  # clock reading of the last advance
+    n_step: int  # output tokens at the last step
+    last_at_step: float  # last_at at the last step
+
+
+@dataclass(frozen=True, slots=True)
+class MeterSample:
+    """One control step's measurements of an engine.
+
+    Attributes:
+        tpot_s: median seconds per output token of the streams that advanced, or ``None``.
+        streams: how many streams that median is over.
+        ttft_s: times to first token (seconds) of the requests whose first token came.
+    """
+
+    tpot_s: float | None
+    streams: int
+    ttft_s: tuple[float, ...]
+
+
+class EngineMeter:
+    """The latency measurements of one engine (see the module docstring)."""
+
+    __slots__ = ("_streams", "_ttft")
+
+    def __init__(self) -> None:
+        self._streams: dict[Any, _Stream] = {}
+        self._ttft: list[float] = []
+
+    def progress(self, ticket: Any, output_tokens: int, now: float) -> None:
+        """``ticket`` (a :class:`qos.Ticket`) has produced ``output_tokens`` so far."""
+        st = self._streams.get(ticket)
+        if st is None:
+            if output_tokens <= 0:
+                return
+            admitted = ticket.admitted_at
+            if admitted is not None and len(self._ttft) < 4096:
+                self._ttft.append(max(0.0, now - admitted))
+            self._streams[ticket] = _Stream(output_tokens, now, output_tokens, now)
+        elif output_tokens > st.n:
+            st.n, st.last_at = output_tokens, now
+
+    def finished(self, ticket: Any) -> None:
+        """``ticket`` ended (released, requeued or moved): forget it."""
+        self._streams.pop(ticket, None)
+
+    def sample(self) -> MeterSample:
+        """The measurements since the last call (and start the next interval)."""
+        rates: list[float] = []
+        gone = []
+        for ticket, st in self._streams.items():
+            if ticket.state is not TicketState.ADMITTED:
+                gone.append(ticket)
+                continue
+            if st.n > st.n_step:
+                rates.append((st.last_at - st.last_at_step) / (st.n - st.n_step))
+                st.n_step, st.last_at_step = st.n, st.last_at
+        for ticket in gone:
+            del self._streams[ticket]
+        ttft, self._ttft = tuple(self._ttft), []
+        if not rates:
+            return MeterSample(None, 0, ttft)
+        rates.sort()
+        mid = len(rates) // 2
+        median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
+        return MeterSample(median, len(rates), ttft)
+
+    @property
+    def streams(self) -> int:
+        """Requests with output on this engine now."""
+        return len(self._streams)

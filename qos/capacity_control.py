@@ -1,0 +1,252 @@
+"""How many requests an engine should run at once, found by a closed loop.
+
+A hand-set ``max_inflight`` is either below what the engine batches (the queue moves into
+the proxy, and a higher group waits for a slot the engine could have given) or above it
+(the queue moves into the engine, which serves it first come, first served). A
+:class:`CapacityController` finds the number instead, per engine, from what the engine
+reports of itself and what the proxy measures of its own requests, one :meth:`step` per
+control interval. It is pure: the caller measures and passes an :class:`Observation`.
+
+The rule (AIMD with a latency gradient, after Netflix's ``concurrency-limits``
+``AIMDLimit``/``Gradient2Limit`` and TCP Vegas's idea of comparing the latency now with the
+latency of an empty pipe: Brakmo & Peterson, "TCP Vegas: End to End Congestion Avoidance
+on a Global Internet", IEEE JSAC 13(8), 1995):
+
+1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``)
+   **or its KV cache is full** (at or above ``saturated_at``): multiplicative decrease,
+   and at once no more than what it runs of ours,
+   ``limit <- max(floor, min(limit * backoff, inflight - waiting))`` (``waiting`` 0 for a
+   full KV cache). Nothing new is dispatched until requests end, so the queue stays in
+   the proxy, ordered by priority and fair share, not in the engine's FIFO; with
+   ``floor`` >= 1 one request still goes when none of ours runs there, so an engine kept
+   busy by someone else cannot stall the proxy's queue for good.
+2. **Tokens slow beyond the bound**: the median time per output token of the streams now
+   decoding (at least ``min_streams`` of them) exceeds ``tpot_slowdown`` times the
+   engine's baseline (its per-token time with little load, see below), ``slow_steps``
+   steps in a row:
+   ``limit <- max(latency_floor, limit * backoff)``; fewer steps in a row hold the limit.
+   ``latency_floor`` is ``latency_floor_fraction`` of the limit of the last step whose
+   tokens were within the bound: latency alone can never take more than that share of
+   the capacity found, however long it lasts and whoever causes it (a median is not moved
+   by a minority of streams, and a client that sends huge prompts or stops reading slows
+   only a bounded part of it).
+3. **Demand presses on the limit** (requests wait in the proxy for this engine, or at
+   least half the limit is in flight) and neither signal above fires: additive increase,
+   ``limit <- min(ceiling, limit + max(1, sqrt(limit)))`` (Gradient2's queue allowance of
+   ``sqrt(limit)``): from 16 to 128 in about a dozen steps.
+4. Otherwise the limit holds.
+
+The baseline per-token time is the smallest median seen, drifting up towards newer ones by
+``baseline_drift`` of the gap per step (so a baseline measured before a model or hardware
+change does not hold forever), and set directly by medians taken while at most two streams
+decode (that *is* the unloaded figure). Until a baseline exists the latency rule is off.
+The same is kept for the time to first token (``baseline_ttft_s``), for preemption and
+status; it does not steer the limit.
+
+An engine that reports nothing (a hosted API, ``transformers serve``) is steered by rules
+2-4 alone. A stale or absent engine report is simply absent: it never lowers the limit by
+itself, so a slow or dead ``/metrics`` falls back to latency and never collapses capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+REASON_START = "start"
+REASON_ENGINE_QUEUE = "engine_queue"
+REASON_KV_CACHE = "kv_cache"
+REASON_LATENCY = "latency"
+REASON_GROWING = "growing"
+REASON_CEILING = "ceiling"
+REASON_STEADY = "steady"
+REASON_FIXED = "fixed"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSettings:
+    """The controller's knobs (config ``admission.capacity``; docs/configuration.md).
+
+    Attributes:
+        initial: the limit before any step (requests, >= 1).
+        ceiling: the most it may reach (requests; ``admission.max_inflight`` when set).
+        floor: the least it may fall to (requests, >= 1).
+        tpot_slowdown: the bound on slowing tokens: the median time per output token may
+            reach this multiple of the baseline before the limit backs off (> 1).
+        backoff: the multiplicative decrease (0 < backoff < 1).
+        latency_floor_fraction: latency alone never takes the limit below this fraction
+            of the limit of the last step whose tokens were within the bound (0..1).
+        min_streams: streams a per-token median needs before it counts (>= 1).
+        slow_steps: steps in a row beyond the bound before latency lowers the limit (a
+            moment's jitter of a loaded host is not a slower engine).
+        baseline_drift: per step, the fraction of the gap by which the baseline moves up
+            towards a larger median (0..1).
+    """
+
+    initial: int = 16
+    ceiling: int = 1024
+    floor: int = 1
+    tpot_slowdown: float = 4.0
+    backoff: float = 0.9
+    latency_floor_fraction: float = 0.5
+    min_streams: int = 4
+    slow_steps: int = 3
+    baseline_drift: float = 0.00005
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.floor <= self.ceiling:
+            raise ValueError(f"capacity floor must be in [1, ceiling], got floor {self.floor}, ceiling {self.ceiling}")
+        if not 0.0 < self.backoff < 1.0:
+            raise ValueError(f"backoff must be in (0, 1), got {self.backoff}")
+        if not self.tpot_slowdown > 1.0:
+            raise ValueError(f"tpot_slowdown must be > 1, got {self.tpot_slowdown}")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What is known of one engine at one control step.
+
+    Attributes:
+        now: clock reading (seconds).
+        inflight: our requests placed on the engine now.
+        demand: requests wait in the proxy that this engine could serve.
+        engine_waiting: requests waiting inside the engine, from a fresh report, or
+            ``None`` (no report, or a stale one).
+        queue_at: waiting count from which the engine counts as queueing (0: ignore it).
+        kv_usage: fraction of the engine's KV cache in use, fresh, or ``None``.
+        saturated_at: the KV fraction from which it counts as full.
+        tpot_s: median seconds per output token of our streams decoding on it during the
+            last interval, or ``None``.
+        streams: how many streams that median is over.
+        ttft_s: times to first token (dispatch to first token, seconds) of requests whose
+            first token came in the last interval.
+    """
+
+    now: float
+    inflight: int
+    demand: bool
+    engine_waiting: int | None = None
+    queue_at: int = 1
+    kv_usage: float | None = None
+    saturated_at: float = 0.95
+    tpot_s: float | None = None
+    streams: int = 0
+    ttft_s: tuple[float, ...] = ()
+
+
+@dataclass
+class CapacityController:
+    """The closed loop of one engine (see the module docstring for the rule).
+
+    Args:
+        settings: the knobs; :meth:`configure` swaps them (a reload) keeping the state.
+
+    Attributes:
+        limit: requests the engine may run now (>= ``settings.floor``).
+        reason: why the limit is what it is (``start``, ``engine_queue``, ``kv_cache``,
+            ``latency``, ``growing``, ``ceiling``, ``steady``).
+        tpot_s: the last median per-token time measured (seconds), or ``None``.
+        baseline_tpot_s: the engine's per-token time with little load, or ``None``.
+        ttft_s: an exponentially weighted mean of recent times to first token, or ``None``.
+        baseline_ttft_s: the time to first token with little load (as for
+            ``baseline_tpot_s``), or ``None``.
+        decreases: steps that lowered the limit, by reason.
+        adaptive: False for a fixed limit (:func:`fixed`): steps only measure.
+    """
+
+    settings: ControlSettings = field(default_factory=ControlSettings)
+    limit: float = 0.0
+    reason: str = REASON_START
+    tpot_s: float | None = None
+    baseline_tpot_s: float | None = None
+    ttft_s: float | None = None
+    baseline_ttft_s: float | None = None
+    decreases: dict[str, int] = field(default_factory=dict)
+    adaptive: bool = True
+    _slow_run: int = field(default=0, repr=False)
+    _reference: float = field(default=0.0, repr=False)  # the limit when tokens were last within the bound
+
+    def __post_init__(self) -> None:
+        if self.limit <= 0:
+            self.limit = float(min(self.settings.ceiling, max(self.settings.floor, self.settings.initial)))
+        self._reference = self.limit
+
+    def configure(self, settings: ControlSettings) -> None:
+        """Take new knobs; the limit is clipped into the new ``[floor, ceiling]``."""
+        self.settings = settings
+        self.limit = float(min(settings.ceiling, max(settings.floor, self.limit)))
+
+    @property
+    def value(self) -> int:
+        """The limit as a whole number of requests (>= 1)."""
+        return max(1, int(self.limit))
+
+    def step(self, obs: Observation) -> int:
+        """Update the limit from ``obs``; returns :attr:`value`."""
+        s = self.settings
+        self._learn(obs)
+        if not self.adaptive:
+            return self.value
+        waiting = obs.engine_waiting
+        if obs.queue_at > 0 and waiting is not None and waiting >= obs.queue_at:
+            self._lower(min(self.limit * s.backoff, obs.inflight - waiting), REASON_ENGINE_QUEUE, s.floor)
+        elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
+            self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
+        elif (slow := self._slow(obs)) >= s.slow_steps:
+            self._lower(self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference))
+        elif slow:
+            self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
+        elif obs.demand or obs.inflight * 2 >= self.limit:
+            if self.limit >= s.ceiling:
+                self.limit, self.reason = float(s.ceiling), REASON_CEILING
+            else:
+                self.limit = min(float(s.ceiling), self.limit + max(1.0, math.sqrt(self.limit)))
+                self.reason = REASON_GROWING
+        else:
+            self.reason = REASON_STEADY
+        if not self._slow_run:
+            self._reference = self.limit
+        return self.value
+
+    # ------------------------------------------------------------------ parts
+
+    def _lower(self, target: float, reason: str, floor: float) -> None:
+        new = max(float(floor), min(self.limit, target))
+        if new < self.limit:
+            self.decreases[reason] = self.decreases.get(reason, 0) + 1
+        self.limit, self.reason = new, reason
+
+    def _slow(self, obs: Observation) -> int:
+        """Steps in a row (this one included) whose median per-token time was beyond the
+        bound; a step without a median keeps the count."""
+        base = self.baseline_tpot_s
+        if base is None or obs.tpot_s is None or obs.streams < self.settings.min_streams:
+            return self._slow_run
+        self._slow_run = self._slow_run + 1 if obs.tpot_s > self.settings.tpot_slowdown * base else 0
+        return self._slow_run
+
+    def _learn(self, obs: Observation) -> None:
+        drift = self.settings.baseline_drift
+        if obs.tpot_s is not None and obs.tpot_s > 0 and obs.streams >= 1:
+            self.tpot_s = obs.tpot_s
+            self.baseline_tpot_s = _baseline(self.baseline_tpot_s, obs.tpot_s, obs.streams <= 2, drift)
+        for t in obs.ttft_s:
+            if t > 0 and math.isfinite(t):
+                self.ttft_s = t if self.ttft_s is None else 0.8 * self.ttft_s + 0.2 * t
+                self.baseline_ttft_s = _baseline(self.baseline_ttft_s, t, obs.inflight <= 2, drift)
+
+
+def _baseline(old: float | None, sample: float, unloaded: bool, drift: float) -> float:
+    """The next baseline: ``sample`` when it is lower or there is none; an average
+    towards it when taken unloaded; else a slow drift up by ``drift`` of the gap."""
+    if old is None or sample <= old:
+        return sample
+    if unloaded:
+        return 0.5 * old + 0.5 * sample
+    return old + drift * (sample - old)
+
+
+def fixed(limit: int) -> CapacityController:
+    """A controller that never moves: ``limit`` requests (``admission.capacity.mode:
+    fixed``, the behaviour before the controller existed)."""
+    return CapacityController(ControlSettings(initial=limit, ceiling=limit, floor=limit), reason=REASON_FIXED, adaptive=False)

@@ -1,0 +1,266 @@
+"""The capacity controller (qos/capacity_control.py), the latency meter
+(proxy/engine_meter.py) and the classes' headroom (qos.capacity.room_for): the rules, and
+convergence against a simulated continuously-batching engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from proxy.config import parse_config
+from proxy.engine_meter import EngineMeter
+from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
+from qos.capacity import room_for
+from qos.capacity_control import (
+    REASON_CEILING,
+    REASON_ENGINE_QUEUE,
+    REASON_KV_CACHE,
+    REASON_LATENCY,
+    REASON_STEADY,
+    CapacityController,
+    ControlSettings,
+    Observation,
+    fixed,
+)
+
+
+def obs(now: float, **kw) -> Observation:
+    kw.setdefault("inflight", 0)
+    kw.setdefault("demand", False)
+    return Observation(now=now, **kw)
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def test_grows_under_demand_to_the_ceiling_and_holds_without_it():
+    c = CapacityController(ControlSettings(initial=16, ceiling=128))
+    steps = 0
+    while c.value < 128:
+        c.step(obs(steps * 0.5, inflight=c.value, demand=True))
+        steps += 1
+        assert steps < 30, "growth from 16 to 128 takes about a dozen steps"
+    assert steps <= 16
+    c.step(obs(100, inflight=128, demand=True))
+    assert c.value == 128 and c.reason == REASON_CEILING
+    for i in range(10):  # a quarter in flight, nothing waiting: no reason to grow
+        c.step(obs(101 + i, inflight=30))
+    assert c.value == 128 and c.reason == REASON_STEADY
+
+
+def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
+    c = CapacityController(ControlSettings(initial=100, ceiling=200))
+    c.step(obs(1, inflight=100, demand=True, engine_waiting=12))
+    assert c.value == 88 and c.reason == REASON_ENGINE_QUEUE  # what the engine really runs
+    c.step(obs(2, inflight=88, demand=True, engine_waiting=1))
+    assert c.value == 79  # 88 * 0.9
+    c.step(obs(3, inflight=40, demand=True, engine_waiting=45))  # someone else fills it
+    assert c.value == 1  # the floor: one request still goes when none of ours runs
+    assert c.decreases[REASON_ENGINE_QUEUE] == 3
+
+
+def test_queue_at_zero_ignores_the_waiting_count():
+    c = CapacityController(ControlSettings(initial=10, ceiling=10))
+    c.step(obs(1, inflight=10, demand=True, engine_waiting=50, queue_at=0))
+    assert c.value == 10
+
+
+def test_a_full_kv_cache_holds_at_what_runs():
+    c = CapacityController(ControlSettings(initial=64, ceiling=64))
+    c.step(obs(1, inflight=20, demand=True, kv_usage=0.97, saturated_at=0.95))
+    assert c.value == 20 and c.reason == REASON_KV_CACHE
+    c.step(obs(2, inflight=20, demand=True, kv_usage=0.5))
+    assert c.value > 20  # room again
+
+
+def test_no_report_never_lowers_the_limit():
+    """A slow or dead /metrics is an absent report: latency alone steers, nothing collapses."""
+    c = CapacityController(ControlSettings(initial=32, ceiling=64))
+    for i in range(50):
+        c.step(obs(i, inflight=32, demand=True, engine_waiting=None, kv_usage=None))
+    assert c.value == 64
+
+
+def _settle_baseline(c: CapacityController, tpot: float = 0.05) -> None:
+    c.step(obs(0, inflight=1, tpot_s=tpot, streams=1))  # one stream: the unloaded figure
+
+
+def test_tokens_slowed_beyond_the_bound_back_off_after_a_sustained_run():
+    c = CapacityController(ControlSettings(initial=100, ceiling=100, tpot_slowdown=4.0, slow_steps=3))
+    _settle_baseline(c, 0.05)
+    assert c.baseline_tpot_s == pytest.approx(0.05)
+    c.step(obs(1, inflight=100, demand=True, tpot_s=0.19, streams=50))  # 3.8x: within the bound
+    assert c.value == 100
+    c.step(obs(2, inflight=100, demand=True, tpot_s=0.3, streams=50))
+    c.step(obs(3, inflight=100, demand=True, tpot_s=0.3, streams=50))
+    assert c.value == 100  # two slow steps: a moment's jitter
+    c.step(obs(4, inflight=100, demand=True, tpot_s=0.3, streams=50))
+    assert c.value == 90 and c.reason == REASON_LATENCY
+
+
+def test_latency_alone_never_takes_more_than_half_the_capacity_found():
+    """The stated bound against clients that slow the engine (huge prompts, streams they stop
+    reading): latency lowers the limit to no less than latency_floor x the limit of the last
+    step within the bound, however long it lasts."""
+    c = CapacityController(ControlSettings(initial=120, ceiling=120, latency_floor_fraction=0.5))
+    _settle_baseline(c)
+    for i in range(1, 200):
+        c.step(obs(i * 0.5, inflight=c.value, demand=True, tpot_s=10.0, streams=100))
+    assert c.value == 60
+    # the engine's own queue is not bounded that way: it is the engine saying it is full
+    c.step(obs(101, inflight=60, demand=True, engine_waiting=30))
+    assert c.value == 30
+
+
+def test_a_few_streams_are_no_latency_signal():
+    c = CapacityController(ControlSettings(initial=50, ceiling=50, min_streams=4))
+    _settle_baseline(c)
+    for i in range(10):
+        c.step(obs(i + 1, inflight=50, demand=True, tpot_s=5.0, streams=3))
+    assert c.value == 50
+
+
+def test_fixed_measures_but_never_moves():
+    c = fixed(8)
+    c.step(obs(1, inflight=8, demand=True, engine_waiting=5, tpot_s=0.1, streams=1))
+    assert c.value == 8 and c.reason == "fixed" and c.baseline_tpot_s == 0.1
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError):
+        ControlSettings(floor=0)
+    with pytest.raises(ValueError):
+        ControlSettings(tpot_slowdown=1.0)
+    with pytest.raises(ValueError):
+        ControlSettings(backoff=1.0)
+
+
+# ------------------------------------ convergence on a simulated batching engine
+
+
+def _simulate(c: CapacityController, batch: int, steps: int, arrivals: int = 10_000) -> list[int]:
+    """A continuously-batching engine of ``batch`` sequences that queues the rest (as vLLM
+    at ``--max-num-seqs``), per-token time growing with the batch (CPU-like: t1 * (1 + n /
+    16)); a closed-loop load that always keeps the proxy's queue non-empty."""
+    limits = []
+    for i in range(steps):
+        inflight = c.value
+        running = min(inflight, batch)
+        waiting = inflight - running
+        tpot = 0.045 * (1 + running / 16)
+        c.step(obs(i * 0.5, inflight=inflight, demand=True, engine_waiting=waiting, tpot_s=tpot, streams=running))
+        limits.append(c.value)
+    return limits
+
+
+@pytest.mark.parametrize("start", [4, 16, 400])
+def test_capacity_converges_to_the_engines_batch_from_a_wrong_start(start):
+    c = CapacityController(ControlSettings(initial=start, ceiling=1024, tpot_slowdown=100))
+    c.step(obs(-1, inflight=1, tpot_s=0.045, streams=1))
+    limits = _simulate(c, batch=48, steps=200)
+    tail = limits[-100:]
+    assert max(tail) <= 48 + 8, tail  # at most one growth step past the batch
+    assert min(tail) >= 0.8 * 48, tail  # and never far below it
+    assert sum(tail) / len(tail) >= 0.9 * 48
+
+
+def test_capacity_stops_where_tokens_slow_past_the_bound():
+    """Without an engine queue, the bound on slowing tokens decides: tpot = t1 (1 + n/16) is
+    4 x t1 at n = 48."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024, tpot_slowdown=4.0))
+    c.step(obs(-1, inflight=1, tpot_s=0.045, streams=1))
+    limits = _simulate(c, batch=10_000, steps=400)
+    tail = limits[-100:]
+    assert 0.7 * 48 <= sum(tail) / len(tail) <= 1.25 * 48, tail
+
+
+# --------------------------------------------------------------- the meter
+
+
+class _T:
+    def __init__(self, admitted_at=0.0):
+        self.admitted_at = admitted_at
+        self.state = TicketState.ADMITTED
+
+
+def test_meter_takes_the_median_of_the_streams_that_advanced():
+    m = EngineMeter()
+    fast = [_T() for _ in range(5)]
+    stalled = [_T() for _ in range(4)]  # clients that stopped reading
+    for t in fast + stalled:
+        m.progress(t, 1, 0.1)
+    first = m.sample()
+    assert first.tpot_s is None and len(first.ttft_s) == 9 and first.ttft_s[0] == pytest.approx(0.1)
+    for i in range(2, 12):
+        for t in fast:
+            m.progress(t, i, 0.1 + 0.05 * (i - 1))
+    s = m.sample()
+    assert s.streams == 5 and s.tpot_s == pytest.approx(0.05)  # the stalled four say nothing
+    slow = _T()
+    m.progress(slow, 1, 0.6)
+    m.progress(slow, 2, 5.0)
+    for i in range(12, 14):
+        for t in fast:
+            m.progress(t, i, 0.6 + 0.05 * (i - 11))
+    s = m.sample()
+    assert s.streams == 6 and s.tpot_s == pytest.approx(0.05)  # one slow stream moves no median
+
+
+def test_meter_forgets_ended_requests():
+    m = EngineMeter()
+    a, b = _T(), _T()
+    m.progress(a, 3, 1.0)
+    m.progress(b, 3, 1.0)
+    m.finished(a)
+    b.state = TicketState.RELEASED  # an end never reported: dropped at the next sample
+    m.sample()
+    assert m.streams == 0
+
+
+# --------------------------------------------------------------- headroom
+
+
+def test_room_for():
+    assert room_for(128, 0.15) == 109
+    assert room_for(128, 0.0) == 128
+    assert room_for(6, 0.15) == 6  # 0.9 rounds down: a small engine keeps nothing back
+    assert room_for(1, 0.5) == 1  # never starved
+    assert room_for(0, 0.5) == 0  # a lease of 0
+
+
+def test_lower_classes_leave_the_headroom_to_higher_ones():
+    policy = SchedulerPolicy(
+        groups=(GroupPolicy("platinum"), GroupPolicy("bronze", headroom=0.25)), default_group="bronze", max_inflight=8, queue_timeout_s=60
+    )
+    s = Scheduler(policy, clock=lambda: 0.0)
+    bronze = [s.submit(f"b{i}", None, 10, 10) for i in range(10)]
+    assert sum(t.state is TicketState.ADMITTED for t in bronze) == 6  # 8 - floor(0.25 * 8)
+    top = s.submit("alice", "platinum", 10, 10)
+    assert top.state is TicketState.ADMITTED  # at once: the room was kept for it
+    s.release(top)
+    assert sum(t.state is TicketState.ADMITTED for t in bronze) == 6  # bronze never takes it
+
+
+def test_default_headroom_grows_with_rank_and_is_configurable():
+    cfg = parse_config(
+        yaml.safe_dump(
+            {
+                "default_group": "bronze",
+                "groups": [{"name": "platinum"}, {"name": "gold"}, {"name": "silver", "headroom": 0.3}, {"name": "bronze"}, {"name": "free"}, {"name": "x"}, {"name": "y"}],
+            }
+        )
+    )
+    assert [g.headroom for g in cfg.to_policy().groups] == pytest.approx([0.0, 0.05, 0.3, 0.15, 0.2, 0.25, 0.25])
+
+
+def test_max_inflight_is_an_optional_ceiling():
+    base = {"default_group": "g", "groups": [{"name": "g"}]}
+    spec = parse_config(yaml.safe_dump(base)).effective_pools()[0].engines[0]
+    assert spec.control is not None and spec.control.initial == 16 and spec.max_inflight == 1024
+    spec = parse_config(yaml.safe_dump({**base, "admission": {"max_inflight": 32}})).effective_pools()[0].engines[0]
+    assert spec.control.initial == 32 and spec.control.ceiling == 32 and spec.max_inflight == 32
+    spec = parse_config(yaml.safe_dump({**base, "admission": {"capacity": {"mode": "fixed"}}})).effective_pools()[0].engines[0]
+    assert spec.control is None and spec.max_inflight == 8
+    assert math.isclose(parse_config(yaml.safe_dump(base)).to_policy().groups[0].headroom, 0.0)
