@@ -41,7 +41,7 @@ from aiohttp import web
 from qos import RefusalReason, Refused
 
 from . import metrics as m
-from .assemble import relay_assembled
+from .assemble import ASSEMBLED_KINDS, relay_assembled
 from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
 from .errors import error_response, retry_after_seconds
@@ -246,10 +246,13 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                     if upstream.status >= 400 and ex.outcome == m.OUTCOME_OK:
                         ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, f"upstream answered {upstream.status}"
                     return resp
-                # an event stream, asked for or not (transformers serve streams a Responses request
-                # that names no ``stream``): relayed and accounted as a stream, as the engine sent it
-                streamed = parsed.stream or "text/event-stream" in ctype
-                if streamed and upstream.status == 200 and not is_json and not plan.assemble:
+                # an event stream the client did not ask for (transformers serve streams a Responses
+                # request that names no ``stream``) is assembled into the JSON it asked for, where the
+                # proxy reads that kind's stream (chat, completions, Responses); any other kind's is
+                # relayed and accounted as a stream, as the engine sent it
+                event_stream = "text/event-stream" in ctype
+                assemble = plan.assemble or (event_stream and not parsed.stream and kind.name in ASSEMBLED_KINDS)
+                if (parsed.stream or event_stream) and upstream.status == 200 and not is_json and not assemble:
                     progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
                     if ticket is not None:
                         ticket.shown = True  # its headers go to the client now: never preempted
@@ -270,8 +273,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                         ex.upstream_ended = True  # read in full: nothing to abort
                         ex.outcome = m.OUTCOME_BAD_REQUEST
                         return error_response(400, _message_of(body), code="invalid_request")
-                    if plan.assemble and upstream.status == 200 and not is_json:
-                        return await relay_assembled(upstream, ex, chat=kind is kinds.CHAT, choices=choices_of(parsed.fields), base_url=engine.url)
+                    if assemble and upstream.status == 200 and not is_json:
+                        return await relay_assembled(upstream, ex, kind.name, choices=choices_of(parsed.fields), base_url=engine.url)
                     return await relay_body(upstream, ex, native=native, base_url=engine.url)
                 except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
                     ex.outcome, ex.detail = m.OUTCOME_UPSTREAM_ERROR, type(e).__name__

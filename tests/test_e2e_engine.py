@@ -61,6 +61,28 @@ def test_sdk_streaming_answers_paris(proxied):
     assert "Paris" in text  # and the SDK's iterator ended: the proxy closed the stream cleanly
 
 
+def test_sdk_responses_without_stream_gets_a_response_object(proxied):
+    """The engine streams a Responses request that names no ``stream`` (transformers
+    serve's default); the OpenAI SDK's default ``responses.create`` asked for none and
+    gets the response object (it failed on the relayed stream: a ``str`` has no
+    ``output_text``)."""
+    url, model, _ = proxied
+    resp = _client(url).responses.create(model=model, input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    assert resp.status == "completed" and "Paris" in resp.output_text
+    assert resp.usage.output_tokens > 0
+
+
+def test_a_stream_that_did_not_ask_for_usage_carries_none(proxied):
+    """The proxy asks the engine for usage on every stream; the engine puts it on its
+    last content chunk. A client that did not ask sees no ``usage`` member at all."""
+    url, model, _ = proxied
+    body = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 8, "stream": True}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Authorization": "Bearer sk-alice", "Content-Type": "application/json"})
+    raw = urllib.request.urlopen(req, timeout=120).read()
+    assert b'"finish_reason":"length"' in raw.replace(b" ", b"") and raw.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' not in raw
+
+
 def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     total = 0.0

@@ -316,23 +316,28 @@ async def test_an_engines_own_5xx_on_a_pass_through_path_does_not_eject_it(proxi
         assert {e["name"]: e["state"] for e in st["engines"]} == {"a": "healthy", "b": "healthy"}
 
 
-async def test_an_event_stream_the_client_did_not_ask_for_is_relayed_and_charged_as_a_stream(proxies, tmp_path, http):
+async def test_an_event_stream_the_client_did_not_ask_for_is_assembled_and_charged(proxies, tmp_path, http):
     """transformers serve streams a Responses request that names no ``stream``: the client
-    gets that stream as the engine sent it, and the user is charged for its output."""
+    asked for no stream and gets the response object as JSON (the OpenAI SDK's default
+    ``responses.create`` parses it), and the user is charged for the engine's output."""
     events = [
         b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
         b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a","sequence_number":1}\n\n',
-        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,"response":{"status":"completed","usage":{"input_tokens":3,"output_tokens":40}}}\n\n',
+        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,"response":{"id":"r1","object":"response","status":"completed",'
+        b'"output":[{"type":"message","id":"m1","role":"assistant","status":"completed","content":[{"type":"output_text","text":"a","annotations":[]}]}],'
+        b'"usage":{"input_tokens":3,"output_tokens":40}}}\n\n',
     ]
     with ScriptedUpstream() as up:
         up.on("resp", stream(events))
         px = proxies(tmp_path, pools_config([{"name": "p", "models": ["*"], "engines": [{"url": up.url, "name": "e"}]}]))
         async with http.post(px.url + "/v1/responses", json={"model": "resp", "input": "hi"}, headers={"Authorization": "Bearer sk-carl"}) as r:
-            raw = await r.read()
-            assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream" and "Content-Length" not in r.headers
-        assert raw == b"".join(events)
+            body = await r.json()
+            assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
+        assert body["id"] == "r1" and body["output"][0]["content"][0]["text"] == "a" and body["usage"]["output_tokens"] == 40
+        resp = await sdk(px).responses.create(model="resp", input="hi")
+        assert resp.output_text == "a"
         (carl,) = [u for u in (await px.status(http))["users"] if u["user"] == "carl"]
-        assert carl["recent_service"] >= 40  # the engine's usage, not an unread body's nothing
+        assert carl["recent_service"] >= 80  # the engine's usage, twice
 
 
 async def test_an_absolute_form_request_target_is_served_by_its_path(proxies, tmp_path, http):

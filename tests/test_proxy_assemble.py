@@ -83,3 +83,29 @@ async def test_non_streaming_disconnect_aborts_a_streamed_upstream(make_stack):
     await wait_until(lambda: st.stats.aborted == 1, what="upstream aborted")
     assert 5 <= st.stats.tokens_sent < 500
     await wait_until(lambda: not st.state.admission.scheduler.inflight, what="slot released")
+
+
+def test_responses_answer_is_the_terminal_response_with_its_items():
+    """A terminal event whose response carries no ``output`` gets the items of the
+    ``response.output_item.done`` events, in ``output_index`` order."""
+    from proxy.assemble import ResponsesAssembler
+
+    asm = ResponsesAssembler()
+    item = lambda i, text: {"type": "message", "id": f"m{i}", "role": "assistant", "content": [{"type": "output_text", "text": text}]}  # noqa: E731
+    for ev in (
+        {"type": "response.created", "response": {"id": "r", "status": "in_progress", "output": []}},
+        {"type": "response.output_item.done", "output_index": 1, "item": item(1, "b")},
+        {"type": "response.output_item.done", "output_index": 0, "item": item(0, "a")},
+        {"type": "response.completed", "response": {"id": "r", "status": "completed", "usage": {"input_tokens": 1, "output_tokens": 2}}},
+    ):
+        asm.add(ev)
+    out = asm.result()
+    assert out["status"] == "completed" and [i["id"] for i in out["output"]] == ["m0", "m1"] and out["object"] == "response"
+
+
+def test_legacy_function_call_deltas_join_like_tool_calls():
+    asm = Assembler(chat=True)
+    for d in ({"role": "assistant", "function_call": {"name": "get_weather", "arguments": ""}}, {"function_call": {"name": "get_weather", "arguments": '{"a":'}}, {"function_call": {"arguments": "1}"}}):
+        asm.add({"choices": [{"index": 0, "delta": d}]})
+    asm.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "function_call"}]})
+    assert asm.result()["choices"][0]["message"]["function_call"] == {"name": "get_weather", "arguments": '{"a":1}'}

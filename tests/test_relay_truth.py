@@ -1069,3 +1069,177 @@ async def test_an_upstream_url_ending_in_v1_is_warned_about_once(up, model, tmp_
         assert stop_proxy(proc) == 0
     log = proc.log_path.read_text()
     assert log.count("ends in /v1") == 1 and f"{up.url}/v1/v1/chat/completions" in log
+
+
+# ------------------------------------------------ usage on the last content chunk (issue 21)
+
+
+async def test_usage_an_engine_puts_on_its_last_content_chunk_is_removed_too(proxy, up, model):
+    """Some engines answer include_usage with a ``usage`` object on the chunk that
+    carries the finish_reason (no usage-only chunk). A client that did not ask gets that
+    chunk without it, every other byte as the engine sent it; the count still trues up
+    the scheduler (42)."""
+    c1 = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+    last = (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"y"},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":5,"completion_tokens":42,"total_tokens":47,"prompt_tokens_details":{"cached_tokens":0}},"system_fingerprint":"fp"}\n\n'
+    )
+    up.on(model, stream([c1, last, DONE]))
+    before = await scrape(proxy.url)
+    status, _, raw = await call(proxy.url, chat(model, stream=True))
+    assert status == 200
+    assert raw == events(
+        c1,
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"y"},"finish_reason":"stop"}],"system_fingerprint":"fp"}\n\n',
+        DONE,
+    )
+    assert up.seen_for(model)[0].json["stream_options"] == {"include_usage": True}
+    key = dict(group="bronze", direction="completion")
+    assert metric(await scrape(proxy.url), "llm_qos_tokens_total", **key) - metric(before, "llm_qos_tokens_total", **key) == 42
+
+
+# --------------------------------------------------- assembled tool calls (issue 21)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ARGS = ['{"city": ', '"Paris"', "}"]
+
+
+def _chunks(deltas: list[dict], finish: str = "tool_calls", **choice_extra) -> list[bytes]:
+    """One chat chunk per delta (choice 0), then the finish chunk: the shape of a tool
+    call stream, with the engine's own choice fields (``choice_extra``)."""
+    out = []
+    for i, d in enumerate([*deltas, {}]):
+        ch = {"index": 0, "delta": d, "finish_reason": finish if i == len(deltas) else None, **choice_extra}
+        out.append(b"data: " + json.dumps({"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [ch]}).encode() + b"\n\n")
+    return out
+
+
+def _repeating(first_extra: dict, every: dict, pieces: list[str]) -> list[dict]:
+    """Deltas whose every tool-call fragment repeats ``every`` (id, type, name)."""
+    return [{**(first_extra if i == 0 else {}), "tool_calls": [{"index": 0, **every, "function": {"name": "get_weather", "arguments": p}}]} for i, p in enumerate(pieces)]
+
+
+# the chunk shapes of real engines for one call get_weather({"city": "Paris"})
+TOOL_STREAMS = {
+    # vLLM: the name alone first (no arguments member), then argument fragments by index
+    "vllm": (
+        [{"role": "assistant", "content": ""}, {"tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "index": 0, "function": {"name": "get_weather"}}]}]
+        + [{"tool_calls": [{"index": 0, "function": {"arguments": p}}]} for p in ARGS],
+        "tool_calls",
+        "chatcmpl-tool-1",
+    ),
+    # SGLang: every member present, nulls where nothing is sent
+    "sglang": (
+        [{"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": None},
+         {"role": None, "content": None, "reasoning_content": None, "tool_calls": [{"id": "call_1", "index": 0, "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}]
+        + [{"role": None, "content": None, "reasoning_content": None, "tool_calls": [{"id": None, "index": 0, "type": "function", "function": {"name": None, "arguments": p}}]} for p in ARGS],
+        "tool_calls",
+        "call_1",
+    ),
+    # MiniMax through NVIDIA NIM: the whole name again in every fragment
+    "minimax-nim": (
+        [{"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}]
+        + [{"tool_calls": [{"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": p}}]} for p in ARGS],
+        "tool_calls",
+        "call_1",
+    ),
+    # Fireworks: id, type and name again in every fragment
+    "fireworks": (_repeating({"role": "assistant"}, {"id": "call_1", "type": "function"}, ["", *ARGS]), "tool_calls", "call_1"),
+    # Gemini's OpenAI-compatible API: no index; later fragments with empty id and type
+    "gemini": (
+        [{"role": "assistant", "tool_calls": [{"id": "function-call-1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS[0]}, "extra_content": {"google": {"thought_signature": "c2ln"}}}]},
+         {"tool_calls": [{"id": "", "type": "", "function": {"arguments": ARGS[1]}}]},
+         {"tool_calls": [{"function": {"arguments": ARGS[2]}}]}],
+        "stop",
+        "function-call-1",
+    ),
+}
+
+
+@pytest.mark.parametrize("engine", list(TOOL_STREAMS))
+async def test_an_assembled_tool_call_is_one_call_with_its_name_once(assembling, up, model, engine):
+    """upstream.stream_non_streaming: whatever shape the engine streams a tool call in
+    (index or none, id, type and name once or in every fragment), the client gets one
+    call, named once, with the arguments joined, as the OpenAI SDK parses it."""
+    deltas, finish, call_id = TOOL_STREAMS[engine]
+    up.on(model, stream([*_chunks(deltas, finish), DONE]))
+    client = openai.AsyncOpenAI(base_url=assembling.url + "/v1", api_key="sk-carl-secret", max_retries=0)
+    out = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    await client.close()
+    (tc,) = out.choices[0].message.tool_calls
+    assert (tc.id, tc.type, tc.function.name, tc.function.arguments) == (call_id, "function", "get_weather", '{"city": "Paris"}')
+    assert out.choices[0].finish_reason == finish
+    if engine == "gemini":  # a field of the engine's own is kept (Gemini wants it back next turn)
+        assert tc.model_extra["extra_content"] == {"google": {"thought_signature": "c2ln"}}
+
+
+PARALLEL = {
+    "vllm": [
+        {"tool_calls": [{"id": "t1", "type": "function", "index": 0, "function": {"name": "get_weather"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]},
+        {"tool_calls": [{"id": "t2", "type": "function", "index": 1, "function": {"name": "get_time"}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": '{"city": "Oslo"}'}}]},
+    ],
+    "fireworks": [
+        {"tool_calls": [{"index": 0, "id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '"Paris"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "t2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 1, "id": "t2", "type": "function", "function": {"name": "get_time", "arguments": '"Oslo"}'}}]},
+    ],
+    "gemini": [  # each call whole in one fragment, told apart by its id
+        {"tool_calls": [{"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"tool_calls": [{"id": "t2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
+    ],
+}
+
+
+@pytest.mark.parametrize("engine", list(PARALLEL))
+async def test_parallel_assembled_tool_calls_stay_apart(assembling, up, model, engine):
+    up.on(model, stream([*_chunks(PARALLEL[engine]), DONE]))
+    status, _, raw = await call(assembling.url, chat(model, tools=[WEATHER]))
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["message"]["tool_calls"] == [
+        {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "t2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}},
+    ]
+
+
+# ------------------------------------- a Responses request that did not ask for a stream (issue 21)
+
+RESP_EVENTS = [
+    b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{"id":"resp_1","object":"response","status":"in_progress","output":[]}}\n\n',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"Par","sequence_number":1}\n\n',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"is","sequence_number":2}\n\n',
+]
+RESP_DONE = (
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":3,"response":{"id":"resp_1","object":"response","created_at":1,'
+    b'"model":"m","status":"completed","output":[{"type":"message","id":"msg_1","status":"completed","role":"assistant","content":'
+    b'[{"type":"output_text","text":"Paris","annotations":[]}]}],"usage":{"input_tokens":3,"output_tokens":40,"total_tokens":43}}}\n\n'
+)
+
+
+async def test_a_responses_request_without_stream_gets_json_from_a_streaming_engine(proxy, up, model):
+    """An engine that streams by default (transformers serve) answers a Responses request
+    that names no ``stream`` with events; the client asked for none and gets the
+    response object, as the OpenAI SDK's default ``responses.create`` expects."""
+    up.on(model, stream([*RESP_EVENTS, RESP_DONE]))
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-carl-secret", max_retries=0)
+    resp = await client.responses.create(model=model, input="capital of France?", extra_headers={"X-Request-Id": "resp-json-1"})
+    await client.close()
+    assert resp.output_text == "Paris" and resp.id == "resp_1" and resp.usage.output_tokens == 40
+    line = await access_line(proxy, "resp-json-1")
+    assert (line["outcome"], line["output_tokens"], line["prompt_tokens"]) == ("ok", 40, 3)
+
+
+@pytest.mark.parametrize(
+    "parts, status, code",
+    [
+        (RESP_EVENTS, 502, "upstream_stream_incomplete"),  # ended before its terminal event
+        ([*RESP_EVENTS, b'event: response.failed\ndata: {"type":"response.failed","sequence_number":3,"response":{"status":"failed","error":{"code":"server_error","message":"engine failed"}}}\n\n'], 502, "server_error"),
+        ([RESP_EVENTS[0], b'event: error\ndata: {"type":"error","code":"invalid_prompt","message":"bad prompt","param":null,"sequence_number":1}\n\n'], 502, "invalid_prompt"),
+    ],
+)
+async def test_a_responses_stream_that_did_not_complete_is_an_error_answer_not_a_200(proxy, up, model, parts, status, code):
+    up.on(model, stream(parts))
+    got, headers, raw = await call(proxy.url, {"model": model, "input": "hi"}, path="/v1/responses")
+    assert (got, json.loads(raw)["error"]["code"]) == (status, code) and headers["Content-Type"].startswith("application/json")
