@@ -10,26 +10,46 @@ data, which, like every ``/admin/*`` route, answers 401 without it (403 when no 
 is configured). A strict Content-Security-Policy lets the page run only its own script
 and talk only to its own origin; every figure is written with ``textContent``.
 
-The data is read, at request time, from the same places as ``/admin/status`` and
-``/metrics``: the scheduler's snapshot (queues, requests in flight: the same figures
-``/admin/status`` shows), the Prometheus counters (tokens, refusals, queue waits: rates
-over the last :data:`WINDOW_S` seconds, from samples this module keeps, at most one per
-:data:`SAMPLE_INTERVAL_S`, taken when the data is asked for; nothing runs while nobody
-looks), and the load signal (engine load).
+The data is read from the same places as ``/admin/status`` and ``/metrics``: the
+scheduler's snapshot (queues, requests in flight: the same figures ``/admin/status``
+shows, read when the data is asked for), the Prometheus counters (tokens, refusals,
+queue waits: rates over the last :data:`WINDOW_S` seconds), the engines' status (load,
+routed and failed requests, the latency the proxy measures there: ``ttft_s``, ``tpot_s``)
+and the reload counters.
 
-Shape (``version`` 1; times in seconds, shares as fractions 0..1, ``null`` when unknown)::
+**History is sampled continuously**, from start-up, whether or not a page is open: a
+timer takes a sample every :data:`SAMPLE_INTERVAL_S` seconds (the counters' cumulative
+values, for the rates; and one chart point: queued and in-flight requests, tokens per
+second per group, each engine's in flight, TTFT and TPOT), in two bounded ring buffers:
+the samples of the last :data:`WINDOW_S` seconds, and the last :data:`HISTORY_POINTS`
+chart points (five minutes). A sample costs one read of the counters and of the engines'
+status (tens of microseconds; no per-user work), so a tab opened on a proxy that has been
+up for minutes shows full rates and five minutes of charts at once. The page asks for
+the points it already has to be left out (``?since=SEQ&history=ID``).
 
-    {"version", "generated_at" (Unix), "window_s", "covered_s" (history behind the rates),
-     "config_hash", "inflight", "capacity", "queued", "inflight_tokens",
+Shape (``version`` 2; times in seconds, shares as fractions 0..1, ``null`` when unknown)::
+
+    {"version", "generated_at" (Unix), "window_s", "covered_s" (history behind the rates:
+     the window, or the proxy's age when younger), "config_hash",
+     "reload": {"result" ("ok", "error", or "start-up": none yet), "error" (the last
+                reload's error while it stands, else null), "loaded_at" (Unix, when the
+                active config became active), "ok", "errors" (reloads by result since start)},
+     "inflight", "capacity", "queued", "inflight_tokens",
      "cost": {"input_weight", "output_weight"},
      "groups": [{"name", "priority" (0 = highest), "min_share", "queued", "inflight",
                  "oldest_wait_s", "queue_wait_s": {"mean", "p50", "p95", "count"},
                  "tokens_per_s", "service_per_s", "service_share", "refusals"}],
      "users": {"source", "total", "top": [{"id", "group", "weight", "weight_share",
                "service_share", "service_per_s", "queued"}]},
-     "engines": [{"name", "url", "kind", "inflight", "capacity", "max_inflight",
-                  "inflight_tokens", "load", "waiting", "saturated", "load_signal"}],
-     "refusals": {"total", "per_s", "by_reason": {reason: n}, "by_group": {group: {reason: n}}}}
+     "engines": [{"id" ("POOL/NAME"), "name", "url", "kind", "inflight", "capacity", "max_inflight",
+                  "inflight_tokens", "load", "waiting", "saturated", "load_signal",
+                  "ttft_s", "tpot_s" (null until measured), "routed", "failed" (since start),
+                  "routed_per_s", "failed_per_s" (over the window), ...}],
+     "refusals": {"total", "per_s", "by_reason": {reason: n}, "by_group": {group: {reason: n}}},
+     "history": {"id" (this process's sampler), "interval_s", "max_points", "full" (every
+                 point kept, else only those after ``since``), "points": [{"seq", "t" (Unix),
+                 "queued", "inflight", "tokens_per_s": {group: x}, "refusals_per_s",
+                 "engines": {id: {"inflight", "ttft_s", "tpot_s"}}}]}}
 
 "Service" is what the scheduler shares out: tokens weighted as it counts them
 (``prompt * cost.input_weight + completion * cost.output_weight``). A group's
@@ -48,7 +68,10 @@ users, and per group the service of all users and the weight of the active ones.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,11 +84,15 @@ from aiohttp import web
 from .admin import check_admin
 from .handlers import STATE
 from .load_signal import LOAD_SIGNAL, LoadSignal
-from .metrics import oldest_waits
+from .metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
 from .state import ProxyState
 
+log = logging.getLogger("llm_qos.proxy")
+
 WINDOW_S = 30.0  # the window of every rate and share
-SAMPLE_INTERVAL_S = 0.5  # at most one sample of the counters per this many seconds
+SAMPLE_INTERVAL_S = 1.0  # the sampler's period
+HISTORY_POINTS = 300  # chart points kept: five minutes at one a second
+POINT_RATE_S = 5.0  # a chart point's rates are over this many seconds (smoother than one)
 TOP_USERS = 10
 
 # the page's security headers: its own script, style and origin only; never framed
@@ -92,10 +119,14 @@ class _Hist:
 
 @dataclass(slots=True)
 class _Sample:
+    """The cumulative figures at one moment (rates are differences of two samples)."""
+
     t: float  # the scheduler's clock
     tokens: dict[tuple[str, str], float]  # (group, direction) -> cumulative tokens
     refusals: dict[tuple[str, str], float]  # (group, reason) -> cumulative refusals
     waits: dict[str, _Hist]  # group -> cumulative queue-wait histogram
+    routed: dict[str, float]  # engine id -> requests placed on it since start
+    failed: dict[str, float]  # engine id -> failed requests since start
 
 
 def _counter(metric, *labels: str) -> dict[tuple[str, ...], float]:
@@ -163,57 +194,150 @@ def _share(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
+def engine_id(row: dict) -> str:
+    """An engine's id on the dashboard: ``POOL/NAME`` (names are unique per pool)."""
+    return f"{row.get('pool')}/{row['name']}"
+
+
 class Dashboard:
-    """Builds the dashboard's data for one proxy process.
+    """Builds the dashboard's data for one proxy process, and samples its history.
 
     Args:
         state: the proxy state.
         load_signal: the engine load poller (for the engine's load and saturation).
         clock: the scheduler's clock (monotonic seconds).
-        window_s: the window of rates and shares (seconds).
+        window_s: the window of rates and shares (seconds; default :data:`WINDOW_S`).
+        interval_s: the sampler's period (seconds; default :data:`SAMPLE_INTERVAL_S`).
+        history_points: chart points kept (default :data:`HISTORY_POINTS`).
+
+    Memory is bounded: at most ``window_s / interval_s + 2`` cumulative samples (each a
+    few numbers per group and reason and per engine) and ``history_points`` chart points.
     """
 
-    def __init__(self, state: ProxyState, load_signal: LoadSignal, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S) -> None:
+    def __init__(
+        self,
+        state: ProxyState,
+        load_signal: LoadSignal,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float | None = None,
+        interval_s: float | None = None,
+        history_points: int | None = None,
+    ) -> None:
         self._state = state
         self._signal = load_signal
         self._clock = clock
-        self.window_s = window_s
+        self.window_s = WINDOW_S if window_s is None else window_s
+        self.interval_s = SAMPLE_INTERVAL_S if interval_s is None else interval_s
         self._since = clock()
         self._samples: deque[_Sample] = deque()
+        self._points: deque[dict] = deque(maxlen=HISTORY_POINTS if history_points is None else history_points)
+        self._seq = 0
+        self.history_id = secrets.token_hex(4)  # a new page history per process
+        self._timer: asyncio.TimerHandle | None = None
 
-    # ----------------------------------------------------------------- samples
+    # ----------------------------------------------------------------- sampler
 
-    def _sample(self, now: float) -> _Sample:
+    def start(self) -> None:
+        """Take the first sample and sample every ``interval_s`` from now on (inside the
+        running loop, at start-up)."""
+        if self._timer is None:
+            self._tick()
+
+    def stop(self) -> None:
+        """Stop sampling (at cleanup)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + self.interval_s, self._tick)  # a fixed period, whatever this one costs
+        try:
+            self.sample()
+        except Exception:  # a broken sample must not stop the sampler
+            log.exception("dashboard sample failed")
+
+    def sample(self) -> None:
+        """Take one sample now: keep its cumulative figures for the rates (those of the
+        last ``window_s`` and one before), and append one chart point."""
+        now = self._clock()
+        rows = self._engine_rows()
+        current = self._cumulative(now, rows)
+        samples = self._samples
+        samples.append(current)
+        # keep exactly one sample at or before the window's start
+        while len(samples) >= 2 and samples[1].t <= now - self.window_s:
+            samples.popleft()
+        base = self._at_or_before(now - POINT_RATE_S)
+        dt = now - base.t
+        tokens: dict[str, float] = {}
+        for (group, _direction), v in current.tokens.items():
+            tokens[group] = tokens.get(group, 0.0) + v - base.tokens.get((group, _direction), 0.0)
+        refused = sum(current.refusals.values()) - sum(base.refusals.values())
+        queued = inflight = 0
+        for pool in self._state.admission.all_pools():
+            queued += pool.scheduler.queued
+            inflight += len(pool.scheduler.inflight)
+        self._seq += 1
+        self._points.append(
+            {
+                "seq": self._seq,
+                "t": round(time.time(), 3),
+                "queued": queued,
+                "inflight": inflight,
+                "tokens_per_s": {g: (round(v / dt, 3) if dt > 0 else None) for g, v in tokens.items()},
+                "refusals_per_s": round(refused / dt, 3) if dt > 0 else None,
+                "engines": {engine_id(r): {"inflight": r["inflight"], "ttft_s": r.get("ttft_s"), "tpot_s": r.get("tpot_s")} for r in rows},
+            }
+        )
+
+    def _at_or_before(self, t: float) -> _Sample:
+        """The newest kept sample taken at or before ``t``, else the oldest kept."""
+        best = self._samples[0]
+        for s in self._samples:
+            if s.t > t:
+                break
+            best = s
+        return best
+
+    def _engine_rows(self) -> list[dict]:
+        """Every engine's status row (:meth:`proxy.router.EngineState.status`)."""
+        return [row for r in self._state.admission.routers() for row in r.snapshot()]
+
+    def _cumulative(self, now: float, rows: list[dict]) -> _Sample:
         met = self._state.metrics
         return _Sample(
             now,
             _counter(met.tokens.metric, "group", "direction"),
             _counter(met.rejections.metric, "group", "reason"),
             _histograms(met.queue_wait.metric),
+            {engine_id(r): float(r.get("routed", 0)) for r in rows},
+            {engine_id(r): float(sum(r.get("failures", {}).values())) for r in rows},
         )
 
-    def _base(self, current: _Sample) -> _Sample | None:
-        """Keep ``current`` if the last sample is old enough, drop samples the window no
-        longer needs, and return the oldest (the base of every rate), or ``None``."""
-        samples = self._samples
-        if not samples or current.t - samples[-1].t >= SAMPLE_INTERVAL_S:
-            samples.append(current)
-        # keep exactly one sample at or before the window's start
-        while len(samples) >= 2 and samples[1].t <= current.t - self.window_s:
-            samples.popleft()
-        base = samples[0]
-        return None if base is current else base
+    def history(self, since: int | None = None, history_id: str | None = None) -> dict:
+        """The chart points: all of them, or only those after ``since`` when the caller
+        holds this sampler's (``history_id``) points up to ``since``."""
+        points = self._points
+        first = points[0]["seq"] if points else self._seq + 1
+        full = since is None or history_id != self.history_id or since < first - 1 or since > self._seq
+        out = list(points) if full else [p for p in points if p["seq"] > since]
+        return {"id": self.history_id, "interval_s": self.interval_s, "max_points": points.maxlen, "full": full, "points": out}
 
     # -------------------------------------------------------------------- data
 
-    def data(self) -> dict:
-        """The dashboard's JSON document (shape in the module docstring)."""
+    def data(self, since: int | None = None, history_id: str | None = None) -> dict:
+        """The dashboard's JSON document (shape in the module docstring); ``since`` and
+        ``history_id``: see :meth:`history`."""
         state = self._state
         sched = state.admission.scheduler
         snap = state.admission.snapshot()
         now = self._clock()
-        current = self._sample(now)
-        base = self._base(current)
+        rows = self._engine_rows()
+        current = self._cumulative(now, rows)
+        if not self._samples:  # before start(): this is the first sample
+            self._samples.append(current)
+        base = self._samples[0] if self._samples[0] is not current else None
         covered = current.t - base.t if base is not None else 0.0
         cost = sched.policy.cost
         tokens = _minus(current.tokens, base.tokens if base is not None else None)
@@ -262,11 +386,12 @@ class Dashboard:
             )
         total_refusals = sum(by_reason.values())
         return {
-            "version": 1,
+            "version": 2,
             "generated_at": time.time(),
             "window_s": self.window_s,
             "covered_s": round(covered, 3),
             "config_hash": state.active.digest,
+            "reload": self.reload(),
             "inflight": snap["inflight"],
             "capacity": snap["capacity"],
             "queued": snap["queued"],
@@ -274,9 +399,22 @@ class Dashboard:
             "cost": {"input_weight": cost.input_weight, "output_weight": cost.output_weight},
             "groups": groups,
             "users": self.users(snap, now),
-            "engines": self.engines(now),
+            "engines": self.engines(rows, current, base),
             "refusals": {"total": total_refusals, "per_s": rate(total_refusals), "by_reason": by_reason, "by_group": by_group},
+            "history": self.history(since, history_id),
         }
+
+    def reload(self) -> dict:
+        """The last reload's result: ``error`` while the last reload's error stands (the
+        previous config stays active), ``ok`` once the file reads good again (reloaded,
+        or a bad edit undone), ``start-up`` before any reload;
+        with the active config's load time and the reloads counted by result."""
+        state = self._state
+        counts = _counter(state.metrics.config_reloads.metric, "result")
+        ok, errors = counts.get((RELOAD_OK,), 0.0), counts.get((RELOAD_ERROR,), 0.0)
+        # a failed reload's error stands until the file reads good again (reloaded, or undone)
+        result = RELOAD_ERROR if state.last_error is not None else (RELOAD_OK if ok + errors > 0 else "start-up")
+        return {"result": result, "error": state.last_error, "loaded_at": state.active.loaded_at, "ok": ok, "errors": errors}
 
     def users(self, snap: dict, now: float, top: int = TOP_USERS) -> dict:
         """The ``top`` users by recent service (from the scheduler's snapshot ``snap``),
@@ -304,17 +442,28 @@ class Dashboard:
             )
         return {"source": "scheduler", "total": snap["users_total"], "top": rows}
 
-    def engines(self, now: float) -> list[dict]:
+    def engines(self, rows: list[dict], current: _Sample, base: _Sample | None) -> list[dict]:
         """One entry per engine of every pool (:meth:`proxy.router.EngineState.status`;
-        the single ``upstream`` is named ``upstream``), with ``pool`` and ``state``."""
-        state = self._state
-        single = state.active.models.single_upstream
+        the single ``upstream`` is named ``upstream``), with ``id``, ``pool`` and
+        ``state``, the latency the proxy measures there (``ttft_s``, ``tpot_s``; ``null``
+        until measured), and its routed and failed requests, since start and per second
+        over the window (``current`` minus ``base``)."""
+        single = self._state.active.models.single_upstream
+        covered = current.t - base.t if base is not None else 0.0
         out = []
-        for r in state.admission.routers():
-            for row in r.snapshot():
-                if single:
-                    row["name"] = "upstream"
-                out.append(row)
+        for row in rows:
+            eid = engine_id(row)
+            row = dict(row)
+            row["id"] = eid
+            if single:
+                row["name"] = "upstream"
+            row.setdefault("ttft_s", None)
+            row.setdefault("tpot_s", None)
+            row["failed"] = current.failed.get(eid, 0.0)
+            for key, now_v in (("routed", current.routed), ("failed", current.failed)):
+                before = getattr(base, key).get(eid, 0.0) if base is not None else None
+                row[f"{key}_per_s"] = round((now_v.get(eid, 0.0) - before) / covered, 3) if before is not None and covered > 0 else None
+            out.append(row)
         return out
 
 
@@ -328,8 +477,8 @@ def _static(name: str) -> tuple[bytes, str]:
 
 def add_routes(app: web.Application) -> None:
     """Register ``GET /admin/dashboard`` (the page), its script and style (no key: static
-    text, no data) and ``GET /admin/dashboard.json`` (admin key), and create the
-    :class:`Dashboard`."""
+    text, no data) and ``GET /admin/dashboard.json[?since=SEQ&history=ID]`` (admin key),
+    and create the :class:`Dashboard`, sampling from start-up to cleanup."""
     state = app[STATE]
     dashboard = app[DASHBOARD] = Dashboard(state, app[LOAD_SIGNAL], state.admission.clock)
     for route in _STATIC:
@@ -344,6 +493,17 @@ def add_routes(app: web.Application) -> None:
         """``GET /admin/dashboard.json``: the dashboard's data (admin key)."""
         if (denied := check_admin(request)) is not None:
             return denied
-        return web.json_response(request.app[DASHBOARD].data(), headers={"Cache-Control": "no-store"})
+        raw = request.query.get("since", "")
+        since = int(raw[:18]) if raw.isdigit() else None
+        body = request.app[DASHBOARD].data(since, request.query.get("history"))
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+    async def start(app: web.Application) -> None:
+        dashboard.start()
+
+    async def stop(app: web.Application) -> None:
+        dashboard.stop()
 
     app.router.add_get("/admin/dashboard.json", data)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)

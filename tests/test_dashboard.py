@@ -239,3 +239,33 @@ def test_the_dashboard_moves_under_load(proxy):
         counted = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                        if line.startswith('llm_qos_rejections_total{group="platinum",reason="rate_limited"}'))
         assert shown is not None and 0 < shown <= counted
+
+
+def test_a_new_tab_shows_the_proxys_history_with_axes_at_once(proxy):
+    """Traffic passes while no page is open; a tab opened afterwards draws its charts at
+    its first answer from the points the proxy sampled meanwhile (several, not one), on
+    labelled axes; each engine shows its routed and failed requests and its latency
+    columns; the header shows the last reload's result."""
+    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
+    for _ in range(5):
+        req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", "Authorization": "Bearer sk-carl"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+    time.sleep(4.0)  # the proxy's own sampler takes a point a second, page or not
+    with sync_playwright() as pw, launch_chromium(pw) as browser:
+        page = browser.new_page()
+        connect(page, proxy)
+        expect(page.locator("#status")).to_have_attribute("data-state", "live", timeout=UI_TIMEOUT_MS)
+        first = page.locator("#chart-requests polyline.series").first.get_attribute("points")
+        assert len(first.split()) >= 4, first  # the history came with the first answer
+        for chart in ("chart-requests", "chart-tokens", "chart-ttft", "chart-tpot"):
+            x = page.locator(f"#{chart} text.axis.x").all_text_contents()
+            assert x[0] == "now" and "−1 min" in x and "−5 min" in x, x
+            y = page.locator(f"#{chart} text.axis.y").all_text_contents()
+            assert len(y) == 5 and y[0] in ("0", "0 ms"), y
+        engine = '#engines tr[data-engine="upstream"]'
+        expect(field(page, engine, "routed")).to_contain_text("5")
+        expect(field(page, engine, "failed")).to_contain_text("0")
+        for name in ("ttft_s", "tpot_s"):
+            assert field(page, engine, name).count() == 1
+        expect(page.locator("#reload")).to_contain_text("none since start-up")

@@ -3,15 +3,17 @@ histogram, the scheduler's per-group service and active weight."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import yaml
 
+from proxy import dashboard
 from proxy.config_watch import reload_config
 from proxy.dashboard import bucket_quantile
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
-from tests.conftest import wait_until
+from tests.conftest import base_config, wait_until
 
 ADMIN = {"Authorization": "Bearer adm-1"}
 
@@ -104,3 +106,68 @@ async def test_dashboard_json_counts_service_and_follows_a_reload(make_stack, ht
     await wait_until(lambda: st.state.active.config.groups[1].name == "gold", what="reload")
     d = await data()
     assert [(g["name"], g["min_share"]) for g in d["groups"]] == [("platinum", 0.0), ("gold", 0.3), ("bronze", 0.0)]
+
+
+async def test_history_is_sampled_without_a_page_and_a_new_tab_gets_it_at_once(make_stack, http, monkeypatch):
+    """No page open while traffic passes; the first request for the data then holds full
+    rates (not 'filling') and every chart point sampled meanwhile, at most HISTORY_POINTS
+    of them; later requests get only newer points; engines carry their routed and failed
+    counts and latency fields; the last reload's result is there."""
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
+    monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(dashboard, "WINDOW_S", 0.5)
+    monkeypatch.setattr(dashboard, "POINT_RATE_S", 0.2)
+    monkeypatch.setattr(dashboard, "HISTORY_POINTS", 12)
+    st = await make_stack()
+
+    async def data(query: str = "") -> dict:
+        async with http.get(st.proxy_url + "/admin/dashboard.json" + query, headers=ADMIN) as r:
+            assert r.status == 200
+            return await r.json()
+
+    for _ in range(6):
+        async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(20, itl_s=0.01), headers={"Authorization": "Bearer sk-carl"}) as r:
+            assert r.status == 200
+            await r.read()
+    await asyncio.sleep(0.8)  # the sampler's own time passes: at least 16 samples, over the window
+    d = await data()
+    assert d["covered_s"] >= d["window_s"] == 0.5  # full rates at once, not "filling"
+    h = d["history"]
+    assert h["full"] and h["max_points"] == 12 and h["interval_s"] == 0.05
+    seqs = [p["seq"] for p in h["points"]]
+    assert len(seqs) == 12 and seqs == list(range(seqs[0], seqs[0] + 12)) and seqs[0] > 1  # bounded: the oldest dropped
+    assert all(set(p["engines"]) == {"default/" + st.upstream_url} for p in h["points"])
+    assert all(set(p["engines"]["default/" + st.upstream_url]) == {"inflight", "ttft_s", "tpot_s"} for p in h["points"])
+    assert [e["routed"] for e in d["engines"]] == [6] and [e["failed"] for e in d["engines"]] == [0]
+    assert {"ttft_s", "tpot_s", "routed_per_s", "failed_per_s", "id"} <= set(d["engines"][0])
+    assert d["reload"]["result"] == "start-up" and d["reload"]["error"] is None
+
+    later = (await data(f"?since={seqs[-1]}&history={h['id']}"))["history"]
+    assert not later["full"] and all(p["seq"] > seqs[-1] for p in later["points"])
+    assert (await data(f"?since={seqs[-1]}&history=another-process"))["history"]["full"]
+
+    st.config_path.write_text("groups: [")
+    assert not reload_config(st.state)
+    r = (await data())["reload"]
+    assert r["result"] == "error" and r["error"] and r["errors"] == 1
+    cfg = base_config(st.upstream_url, max_queue=50)
+    st.config_path.write_text(yaml.safe_dump(cfg))
+    assert reload_config(st.state)
+    r = (await data())["reload"]
+    assert (r["result"], r["error"], r["ok"], r["errors"]) == ("ok", None, 1, 1)
+
+
+async def test_chart_points_carry_the_traffic_as_it_passed(make_stack, http, monkeypatch):
+    """Tokens per second of a group show in the points sampled while its requests ran."""
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
+    monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(dashboard, "POINT_RATE_S", 0.2)
+    st = await make_stack()
+    for _ in range(5):
+        async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(20, itl_s=0.01), headers={"Authorization": "Bearer sk-carl"}) as r:
+            await r.read()
+    await asyncio.sleep(0.3)
+    async with http.get(st.proxy_url + "/admin/dashboard.json", headers=ADMIN) as r:
+        points = (await r.json())["history"]["points"]
+    assert max(p["tokens_per_s"].get("bronze") or 0.0 for p in points) > 0
+    assert all((p["tokens_per_s"].get("platinum") or 0.0) == 0.0 for p in points)

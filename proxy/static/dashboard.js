@@ -1,4 +1,6 @@
 // llm-qos live dashboard: polls dashboard.json once a second with the admin key.
+// The proxy samples its history itself (a point a second, five minutes kept): the first
+// answer brings every point, later ones only the points after the last one held.
 // The key lives in this tab's sessionStorage only and goes out as a Bearer header; every
 // value from the server is written with textContent (user ids may be any string).
 "use strict";
@@ -7,11 +9,14 @@
   const KEY_STORE = "llm-qos.admin-key";
   const DATA_URL = "dashboard.json"; // next to this page: /admin/dashboard.json
   const POLL_MS = 1000;
-  const HISTORY = 120; // points kept for the charts (two minutes at one a second)
   const SVG = "http://www.w3.org/2000/svg";
 
   let timer = null;
-  let history = []; // {queued, inflight, tokens: {group: tokens/s}}
+  // the proxy's chart points: {seq, t, queued, inflight, tokens_per_s: {group: x}, engines: {id: {inflight, ttft_s, tpot_s}}}
+  let history = [];
+  let historyId = null;
+  let maxPoints = 300;
+  let intervalS = 1;
 
   const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -81,7 +86,8 @@
     $("#forget").hidden = false;
     $("#config-hash").textContent = d.config_hash || dash;
     // covered_s: the history behind the rates; short after start-up, long after a pause in polling
-    $("#window").textContent = d.covered_s < d.window_s ? `${num(d.covered_s, 0)} s (filling ${num(d.window_s)} s)` : `${num(d.covered_s, 0)} s`;
+    $("#window").textContent = d.covered_s < d.window_s - 0.5 ? `${num(d.covered_s, 0)} s (filling ${num(d.window_s)} s)` : `${num(d.window_s)} s`;
+    renderReload(d.reload);
     $("#w-in").textContent = d.cost.input_weight;
     $("#w-out").textContent = d.cost.output_weight;
 
@@ -146,6 +152,10 @@
           cell("load", bar(e.load, null, e.load === null ? "unknown" : pct(e.load), e.saturated), "share"),
           cell("waiting", num(e.waiting), "num"),
           cell("load_signal", [el("span", { class: "flag " + signal }, e.load_signal.replace("_", " ")), e.saturated ? el("span", { class: "flag bad" }, "saturated") : ""]),
+          cell("ttft_s", secs(e.ttft_s), "num"),
+          cell("tpot_s", secs(e.tpot_s), "num"),
+          cell("routed", [el("span", {}, num(e.routed)), el("div", { class: "muted small" }, e.routed_per_s === null ? dash : `${num(e.routed_per_s, 1)} / s`)], "num"),
+          cell("failed", [el("span", { class: e.failed ? "flag bad" : "" }, num(e.failed)), el("div", { class: "muted small" }, e.failed_per_s === null ? dash : `${num(e.failed_per_s, 2)} / s`)], "num"),
         );
       }),
     );
@@ -163,33 +173,115 @@
       }),
     );
 
-    const point = { queued: d.queued, inflight: d.inflight, tokens: {} };
-    for (const g of d.groups) point.tokens[g.name] = g.tokens_per_s || 0;
-    history.push(point);
-    if (history.length > HISTORY) history = history.slice(-HISTORY);
-    drawCharts(d.groups.map((g) => g.name));
+    takeHistory(d.history);
+    drawCharts(d.groups.map((g) => g.name), d.engines);
   }
 
-  function polyline(values, max, cls) {
-    const n = HISTORY - 1;
-    const pts = values.map((v, i) => `${(400 * (HISTORY - values.length + i)) / n},${(105 - (100 * v) / max).toFixed(1)}`);
-    const p = document.createElementNS(SVG, "polyline");
-    p.setAttribute("points", pts.join(" "));
-    p.setAttribute("class", cls);
-    return p;
+  function renderReload(r) {
+    const node = $("#reload");
+    const at = (t) => new Date(t * 1000).toLocaleTimeString();
+    if (r.result === "error") {
+      node.className = "flag bad";
+      node.textContent = "failed: " + (r.error || "").slice(0, 120);
+      node.title = `${r.error}\nthe config active since ${at(r.loaded_at)} stays (${num(r.errors)} failed, ${num(r.ok)} ok since start)`;
+    } else if (r.result === "ok") {
+      node.className = "flag ok";
+      node.textContent = "ok · " + at(r.loaded_at);
+      node.title = `${num(r.ok)} ok, ${num(r.errors)} failed since start`;
+    } else {
+      node.className = "flag none";
+      node.textContent = "none since start-up · " + at(r.loaded_at);
+      node.title = "";
+    }
   }
 
-  function drawCharts(groups) {
-    const q = history.map((h) => h.queued);
-    const f = history.map((h) => h.inflight);
-    const maxReq = Math.max(1, ...q, ...f);
-    $("#chart-requests").replaceChildren(polyline(q, maxReq, "c0"), polyline(f, maxReq, "c1"));
-    $("#chart-requests-max").textContent = `(top ${num(maxReq)})`;
-    const series = groups.map((g) => history.map((h) => h.tokens[g] || 0));
-    const maxTok = Math.max(1, ...series.flat());
-    $("#chart-tokens").replaceChildren(...series.map((s, i) => polyline(s, maxTok, "c" + (i % 6))));
-    const legend = $("#chart-tokens-legend");
-    legend.replaceChildren(...groups.flatMap((g, i) => [el("i", { class: "swatch c" + (i % 6) }), g + " "]), el("span", { class: "muted" }, `tokens / s (top ${num(maxTok, 0)})`));
+  // ---------------------------------------------------------------- history
+  function takeHistory(h) {
+    if (h.full || h.id !== historyId) history = h.points.slice();
+    else history.push(...h.points);
+    historyId = h.id;
+    maxPoints = h.max_points;
+    intervalS = h.interval_s;
+    if (history.length > maxPoints) history = history.slice(-maxPoints);
+  }
+
+  function dataUrl() {
+    if (!history.length) return DATA_URL;
+    return `${DATA_URL}?since=${history[history.length - 1].seq}&history=${encodeURIComponent(historyId)}`;
+  }
+
+  // ---------------------------------------------------------------- charts
+  const W = 480, H = 150, ML = 46, MR = 10, MT = 8, MB = 20;
+
+  function svg(tag, attrs, text) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function niceMax(x) {
+    if (!(x > 0)) return 1;
+    const p = Math.pow(10, Math.floor(Math.log10(x)));
+    for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= x) return m * p;
+    return 10 * p;
+  }
+
+  // one chart: the y axis from 0 to a round maximum (five labelled lines), the x axis
+  // over the history's span ending at the newest point (a labelled line per minute)
+  function chart(id, series, fmt) {
+    const span = maxPoints * intervalS;
+    const end = history.length ? history[history.length - 1].t : 0;
+    const values = series.flatMap((s) => s.values.filter((v) => v !== null && v !== undefined));
+    const max = niceMax(Math.max(0, ...values));
+    const x = (t) => ML + ((W - ML - MR) * (span - (end - t))) / span;
+    const y = (v) => MT + (H - MT - MB) * (1 - v / max);
+    const nodes = [];
+    for (let i = 0; i <= 4; i++) {
+      const v = (max * i) / 4;
+      nodes.push(svg("line", { x1: ML, x2: W - MR, y1: y(v), y2: y(v), class: "grid" }));
+      nodes.push(svg("text", { x: ML - 4, y: y(v) + 3, class: "axis y" }, fmt(v)));
+    }
+    for (let m = 0; m * 60 <= span; m++) {
+      const xx = x(end - m * 60);
+      nodes.push(svg("line", { x1: xx, x2: xx, y1: MT, y2: H - MB, class: "grid" }));
+      nodes.push(svg("text", { x: Math.min(W - MR - 10, Math.max(ML + 10, xx)), y: H - 6, class: "axis x" }, m === 0 ? "now" : `−${m} min`));
+    }
+    nodes.push(svg("line", { x1: ML, x2: ML, y1: MT, y2: H - MB, class: "axis-line" }));
+    nodes.push(svg("line", { x1: ML, x2: W - MR, y1: H - MB, y2: H - MB, class: "axis-line" }));
+    for (const s of series) {
+      // a gap (no value) breaks the line
+      let run = [];
+      const flush = () => {
+        if (run.length) nodes.push(svg("polyline", { points: run.join(" "), class: "series " + s.cls }));
+        run = [];
+      };
+      history.forEach((p, i) => {
+        const v = s.values[i];
+        if (v === null || v === undefined) return flush();
+        run.push(`${x(p.t).toFixed(1)},${y(v).toFixed(1)}`);
+      });
+      flush();
+    }
+    $("#" + id).replaceChildren(...nodes);
+  }
+
+  const plain = (v) => (v >= 1000 ? num(v / 1000, 1) + "k" : num(v, v < 10 && v % 1 ? 1 : 0));
+  const ms = (v) => (v >= 1 ? num(v, 1) + " s" : num(v * 1000, 0) + " ms");
+
+  function legend(id, names, unit) {
+    $("#" + id).replaceChildren(...names.flatMap((n, i) => [el("i", { class: "swatch c" + (i % 6) }), n + " "]), el("span", { class: "muted" }, unit));
+  }
+
+  function drawCharts(groups, engines) {
+    chart("chart-requests", [{ values: history.map((h) => h.queued), cls: "c0" }, { values: history.map((h) => h.inflight), cls: "c1" }], plain);
+    chart("chart-tokens", groups.map((g, i) => ({ values: history.map((h) => (h.tokens_per_s[g] === undefined ? null : h.tokens_per_s[g])), cls: "c" + (i % 6) })), plain);
+    legend("chart-tokens-legend", groups, "(tokens / s)");
+    const label = (e) => (e.pool && e.pool !== "default" ? `${e.pool} / ${e.name}` : e.name);
+    for (const [field, id, unit] of [["ttft_s", "chart-ttft", "(time to first token)"], ["tpot_s", "chart-tpot", "(time per output token)"]]) {
+      chart(id, engines.map((e, i) => ({ values: history.map((h) => (h.engines[e.id] ? h.engines[e.id][field] : null)), cls: "c" + (i % 6) })), ms);
+      legend(id + "-legend", engines.map(label), unit);
+    }
   }
 
   // ---------------------------------------------------------------- polling
@@ -208,7 +300,7 @@
     if (!key) return askForKey("");
     let r;
     try {
-      r = await fetch(DATA_URL, { headers: { Authorization: "Bearer " + key }, cache: "no-store", credentials: "omit", redirect: "error" });
+      r = await fetch(dataUrl(), { headers: { Authorization: "Bearer " + key }, cache: "no-store", credentials: "omit", redirect: "error" });
     } catch (e) {
       setStatus("down", "proxy unreachable, retrying");
       return schedule();
@@ -252,6 +344,7 @@
     $("#forget").addEventListener("click", () => {
       sessionStorage.removeItem(KEY_STORE);
       history = [];
+      historyId = null;
       setStatus("idle", "not connected");
       askForKey("");
     });
