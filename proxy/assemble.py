@@ -20,9 +20,11 @@ other member kept. Two rules differ, for engines whose chunks the SDK's accumula
 itself gets wrong (it joins every string and raises on a fragment without ``index``):
 
 * ``id`` and ``function.name`` arrive whole, once (OpenAI, vLLM, SGLang), or whole again
-  in every fragment (MiniMax through NVIDIA NIM, Fireworks): a value equal to the one
+  in every fragment (MiniMax through NVIDIA NIM, Fireworks): a name equal to the one
   already held is a repeat, not a fragment; a different one is joined to it, as the SDK
-  joins it; an empty or null one is nothing.
+  joins it. The first ``id`` is the call's: LM Studio sends a new one with every
+  argument fragment of one call (reported against NousResearch/hermes-agent, PR 106943).
+  An empty or null value is nothing.
 * a fragment without ``index`` (Gemini's OpenAI-compatible API) continues the last call
   that came without one, unless it starts another: it carries an ``id`` other than that
   call's, or a name when that call has another one.
@@ -210,8 +212,8 @@ def _starts_another(cur: dict, tc: dict) -> bool:
 
 
 def _whole(held: object, value: str) -> str:
-    """A value sent whole, once or again in every fragment (``id``, ``function.name``):
-    a repeat of the held value is nothing new; anything else is joined to it."""
+    """A value sent whole, once or again in every fragment (``function.name``): a repeat
+    of the held value is nothing new; anything else is joined to it."""
     if not isinstance(held, str) or not held:
         return value
     return held if value == held else held + value
@@ -225,7 +227,7 @@ def _merge_call(cur: dict, tc: dict) -> dict:
             continue
         if k == "id":
             if isinstance(v, str) and v:
-                cur["id"] = _whole(cur.get("id"), v)
+                cur["id"] = cur.get("id") or v
         elif k == "type":
             if isinstance(v, str) and v:
                 cur["type"] = v

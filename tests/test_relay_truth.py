@@ -1145,6 +1145,13 @@ TOOL_STREAMS = {
     ),
     # Fireworks: id, type and name again in every fragment
     "fireworks": (_repeating({"role": "assistant"}, {"id": "call_1", "type": "function"}, ["", *ARGS]), "tool_calls", "call_1"),
+    # LM Studio: a new id with every argument fragment, the name empty after the first
+    "lmstudio": (
+        [{"role": "assistant", "tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}]
+        + [{"tool_calls": [{"index": 0, "id": f"call_{i}", "type": "function", "function": {"name": "", "arguments": p}}]} for i, p in enumerate(ARGS)],
+        "tool_calls",
+        "call_a",
+    ),
     # Gemini's OpenAI-compatible API: no index; later fragments with empty id and type
     "gemini": (
         [{"role": "assistant", "tool_calls": [{"id": "function-call-1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS[0]}, "extra_content": {"google": {"thought_signature": "c2ln"}}}]},
