@@ -13,7 +13,8 @@ every choice ends with a chunk whose ``finish_reason`` is set; ``data: [DONE]`` 
 stream; an in-band failure is an event whose JSON object carries ``error`` (OpenAI, SGLang,
 newer vLLM) or is vLLM's older ``{"object": "error", ...}``. With
 ``stream_options.include_usage`` a last chunk with ``choices: []`` carries ``usage``, and
-every other chunk ``"usage": null``.
+every other chunk ``"usage": null`` (some engines put the ``usage`` object on the chunk
+with the ``finish_reason`` instead; transformers serve does so even unasked).
 """
 
 from __future__ import annotations
