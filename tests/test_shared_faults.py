@@ -283,3 +283,30 @@ async def test_the_fallback_share_divides_by_expected_replicas_at_least(redis_se
         assert took == 5  # 10 per minute ÷ 2
     finally:
         await sim.state.stop()
+
+
+async def test_a_reserve_whose_reply_comes_late_is_charged_once(redis_server):
+    """Issue 21.3: Redis is frozen while a reserve is in flight; the request stops waiting
+    after timeout_s and is served from the local share (a take that is pushed to Redis at
+    the next sync). When Redis thaws, it runs the reserve it had received: that take is
+    given back, so the request costs its limits once, not twice."""
+    settled(redis_server.url, "late")
+    state = SharedState(config(redis_server.url, key_prefix="late", sync_interval_s=0.05, lease_s=5.0, timeout_s=0.1), replica_id="late0")
+    await state.start()
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    limit = RateLimit(6, 6000)  # refills 0.1 request and 100 tokens a second
+    try:
+        await state.reserve_rate("warm", "g", limit, NONE, 1)  # Redis has the script loaded
+        redis_server.pause()  # SIGSTOP: the reserve is sent, Redis reads it only once thawed
+        res = await state.reserve_rate("ann", "g", limit, NONE, 3000)
+        assert res.local and state.mode == "degraded"  # served from the local share
+        redis_server.resume()
+        synced = state.syncs + 3
+        await wait_for(lambda: state.mode == "shared" and state.syncs >= synced and not len(state.adjustments), 10, "the corrections to reach Redis")
+        r, t = (float(v) for v in client.hmget(Keys("late").user_bucket("ann"), "r", "t"))
+        # charged once: 6 - 1 = 5 requests and 6000 - 3000 = 3000 tokens left (plus refill
+        # over the test's few seconds); twice would leave 4 and 0
+        assert 4.9 <= r <= 5.6 and 2990 <= t <= 3600, (r, t)
+    finally:
+        redis_server.resume()
+        await state.stop()

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
 import pytest
 import redis
 
 from proxy.shared import RateLimited, SharedState
 from proxy.shared.keys import Keys
-from proxy.shared.rate_limits import ADJUST_SCRIPT, Bucket, adjust_args
+from proxy.shared.rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, Bucket, adjust_args, reserve_args
 from qos import RateLimit
 from tests.shared_helpers import config, settled
 
@@ -105,7 +106,7 @@ async def test_a_batch_of_corrections_is_applied_once_even_when_resent(redis_ser
     script = client.register_script(ADJUST_SCRIPT)
     k = Keys("once")
     bucket = Bucket(k.user_bucket("dan"), "user", 0.0, 6000.0)
-    keys, args = adjust_args(k.replica("r1"), 1, 60_000, {bucket.key: [0.0, 6000.0, 0.0, 3000.0]})
+    keys, args = adjust_args(k.replica("r1"), k.reserve_log("r1"), 1, 60_000, {bucket.key: [0.0, 6000.0, 0.0, 3000.0]})
     assert script(keys=keys, args=args) == 1
     assert script(keys=keys, args=args) == 0  # the reply was lost and the batch resent
     assert 3000 <= float(client.hget(bucket.key, "t")) <= 3100  # charged 3000 once (plus refill)
@@ -149,3 +150,63 @@ async def test_no_limit_costs_no_redis_call(states, redis_server):
         r = await s.reserve_rate("gina", "g", NONE, NONE, 100)
         s.settle_rate(r, 50)
     assert client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) - before <= 4  # syncs only
+
+
+@pytest.fixture
+def scripts(redis_server):
+    """A client of the real Redis with the reserve and adjust scripts registered."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    return client, client.register_script(RESERVE_SCRIPT), client.register_script(ADJUST_SCRIPT)
+
+
+def _levels(client, key: str) -> tuple[float, float]:
+    r, t = client.hmget(key, "r", "t")
+    return float(r) if r is not None else 6.0, float(t) if t is not None else 6000.0
+
+
+async def test_a_written_off_reserve_that_ran_is_given_back(scripts):
+    """Issue 21.3, on the real scripts: a reserve that ran but whose reply was lost is
+    written off by the next adjust batch, and its take comes back, once."""
+    client, reserve, adjust = scripts
+    k = Keys("wo")
+    b = Bucket(k.user_bucket("ann"), "user", 6.0, 6000.0)
+    keys, args = reserve_args((b,), 3000, k.reserve_log("r1"), 1, 1, 60_000)
+    assert orjson.loads(reserve(keys=keys, args=args))["ok"] == 1  # ran; its reply "lost"
+    r, t = _levels(client, b.key)
+    assert 4.9 <= r <= 5.1 and 2990 <= t <= 3100
+    keys, args = adjust_args(k.replica("r1"), k.reserve_log("r1"), 1, 60_000, {}, [(1, (b,), 3000)])
+    assert adjust(keys=keys, args=args) == 1
+    r, t = _levels(client, b.key)
+    assert r >= 5.99 and t >= 5990  # given back whole
+    assert adjust(keys=keys, args=args) == 0  # a resent batch is not applied twice
+
+
+async def test_a_written_off_reserve_that_had_not_run_never_takes(scripts):
+    """A reserve still in a frozen Redis's buffer when its write-off arrives never takes
+    when it finally runs."""
+    client, reserve, adjust = scripts
+    k = Keys("wo2")
+    b = Bucket(k.user_bucket("ann"), "user", 6.0, 6000.0)
+    keys, args = adjust_args(k.replica("r1"), k.reserve_log("r1"), 1, 60_000, {}, [(1, (b,), 3000)])
+    assert adjust(keys=keys, args=args) == 1  # the write-off reaches Redis first
+    keys, args = reserve_args((b,), 3000, k.reserve_log("r1"), 1, 1, 60_000)
+    reply = orjson.loads(reserve(keys=keys, args=args))  # then the frozen Redis runs the reserve
+    assert reply["ok"] == 0 and reply["gone"] == 1
+    assert client.exists(b.key) == 0  # nothing taken: the bucket is full
+
+
+async def test_a_resent_reserve_takes_once_and_the_log_keeps_only_what_is_unsettled(scripts):
+    """A reserve sent twice takes once; the log forgets what the replica has settled."""
+    client, reserve, _ = scripts
+    k = Keys("wo3")
+    b = Bucket(k.user_bucket("ann"), "user", 600.0, 0.0)
+    log = k.reserve_log("r1")
+    for _ in range(2):  # the same reserve sent twice (a pipeline resent after NOSCRIPT)
+        keys, args = reserve_args((b,), 1, log, 1, 1, 60_000)
+        assert orjson.loads(reserve(keys=keys, args=args))["ok"] == 1
+    assert 598.9 <= _levels(client, b.key)[0] <= 599.1
+    for n in range(2, 200):  # each reply read at once: the floor follows
+        keys, args = reserve_args((b,), 1, log, n, n, 60_000)
+        assert orjson.loads(reserve(keys=keys, args=args))["ok"] == 1
+    assert client.zcard(log) <= 3  # the floor mark and the last reserves, not 199 records
+    assert 0 < client.pttl(log) <= 60_000

@@ -13,6 +13,9 @@ key                                type    content
 ``{P}:lease:<capacity key>``       hash    replica id -> JSON ``{a, g, f, c, d}``: applied grant, issued
                                            grant, in flight, capacity, demand per class
 ``{P}:replica:<replica id>``       hash    ``svc_seq``, ``rl_seq``: last batch of deltas applied
+``{P}:rsv:<replica id>``           zset    the replica's reserves Redis took and it may not have heard
+                                           of (member = score = reserve number), written-off ones
+                                           (``x<n>``), and ``floor`` (every number below is settled)
 ``{P}:rl:user:<user id>``          hash    ``r``, ``t`` (request and token bucket levels), ``ts`` (ms)
 ``{P}:rl:group:<group>``           hash    the same, for a whole group
 ``{P}:svc:<len>:<pool>:<user id>`` string  the user's service in the pool (cost units, float)
@@ -49,6 +52,10 @@ class Keys:
     def replica(self, replica_id: str) -> str:
         """The per-replica hash (sequence numbers of applied delta batches)."""
         return f"{self.base}:replica:{replica_id}"
+
+    def reserve_log(self, replica_id: str) -> str:
+        """The per-replica log of reserves (:class:`proxy.shared.rate_limits.ReserveLog`)."""
+        return f"{self.base}:rsv:{replica_id}"
 
     def user_bucket(self, user_id: str) -> str:
         """A user's rate-limit buckets."""

@@ -11,7 +11,11 @@ and a correction is clipped at the capacity. Time is Redis's ``TIME``.
   them, or from none and answer the longest wait. Atomic, so however many replicas take
   at once, a bucket never gives out more than it holds. Concurrent reserves of one
   process share round trips (:class:`ReserveBatcher`): those that arrive while one
-  pipeline is in flight go together in the next.
+  pipeline is in flight go together in the next. A reserve whose reply is read after its
+  request stopped waiting is given back; one whose reply is lost (the request was served
+  from the local share instead) is written off through the replica's reserve log
+  (:class:`ReserveLog`): given back if it ran, never run if it had not. Either way the
+  request costs its limits once.
 - **settle / refund** (:data:`ADJUST_SCRIPT`): the difference between the real tokens and
   the estimate taken, or the whole take back for a request that never reached an engine.
   These are not on any request's path: they are buffered and sent with the next sync
@@ -37,6 +41,7 @@ take and correction is kept (bounded) and charged to Redis when it answers again
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, NamedTuple
@@ -80,58 +85,107 @@ end
 """
 
 RESERVE_SCRIPT = _BUCKET_LUA + r"""
--- KEYS: bucket hashes.  ARGV[1] tokens to take; then per key: requests/min, tokens/min (0 = none)
--- returns JSON {ok = 1|0, wait = seconds, i = index of the refusing key, u = 'requests'|'tokens',
---               lv = [[r, t], ...] levels after the take (or now, when refused)}
+-- KEYS[1] {P}:rsv:<replica id>: this replica's reserve log; KEYS[2..] bucket hashes
+-- ARGV[1] tokens to take, ARGV[2] this reserve's number, ARGV[3] the replica's floor (every
+-- number below it is settled there), ARGV[4] keep (ms); then per bucket: requests/min,
+-- tokens/min (0 = none)
+-- returns JSON {ok = 1|0, wait = seconds, i = index of the refusing bucket, u = 'requests'|'tokens',
+--               lv = [[r, t], ...] levels after the take (or now, when refused),
+--               gone = 1: the replica wrote this reserve off before it ran (nothing taken)}
 local now = now_ms()
+local log, seq, floor, keep = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local id = tostring(seq)
+local fl = tonumber(redis.call('ZSCORE', log, 'floor') or 0)
+if seq < fl or redis.call('ZSCORE', log, 'x' .. id) then
+  return cjson.encode({ok = 0, gone = 1, wait = 0, i = 0, u = '', lv = {}})
+end
+if redis.call('ZSCORE', log, id) then  -- taken before (a resent pipeline): once only
+  return cjson.encode({ok = 1, wait = 0, i = 0, u = '', lv = {}})
+end
+if floor > fl then  -- what the replica has settled needs no record any more
+  redis.call('ZREMRANGEBYSCORE', log, '-inf', '(' .. floor)
+  redis.call('ZADD', log, floor, 'floor')
+  redis.call('PEXPIRE', log, keep)
+end
 local n = tonumber(ARGV[1])
 local lv, wait, wi, wu = {}, 0, 0, ''
-for i, key in ipairs(KEYS) do
-  local rpm, tpm = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+for j = 1, #KEYS - 1 do
+  local key, rpm, tpm = KEYS[j + 1], tonumber(ARGV[3 + 2 * j]), tonumber(ARGV[4 + 2 * j])
   local r, tk = load(key, rpm, tpm, now)
-  lv[i] = {r or -1, tk or -1}
+  lv[j] = {r or -1, tk or -1}
   if rpm > 0 and r < math.min(1, rpm) then
     local w = (math.min(1, rpm) - r) * 60 / rpm
-    if w > wait then wait, wi, wu = w, i, 'requests' end
+    if w > wait then wait, wi, wu = w, j, 'requests' end
   end
   if tpm > 0 and tk < math.min(n, tpm) then
     local w = (math.min(n, tpm) - tk) * 60 / tpm
-    if w > wait then wait, wi, wu = w, i, 'tokens' end
+    if w > wait then wait, wi, wu = w, j, 'tokens' end
   end
 end
 if wait > 0 then
   return cjson.encode({ok = 0, wait = wait, i = wi, u = wu, lv = lv})
 end
-for i, key in ipairs(KEYS) do
-  local rpm, tpm = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+for j = 1, #KEYS - 1 do
+  local key, rpm, tpm = KEYS[j + 1], tonumber(ARGV[3 + 2 * j]), tonumber(ARGV[4 + 2 * j])
   local r, tk = load(key, rpm, tpm, now)
   if rpm > 0 then r = r - 1 end
   if tpm > 0 then tk = tk - n end
   store(key, r or 0, tk or 0, rpm, tpm, now)
-  lv[i] = {r or -1, tk or -1}
+  lv[j] = {r or -1, tk or -1}
 end
+redis.call('ZADD', log, seq, id)  -- taken: kept until the replica has heard of it
+redis.call('PEXPIRE', log, keep)
 return cjson.encode({ok = 1, wait = 0, i = 0, u = '', lv = lv})
 """
 
 ADJUST_SCRIPT = _BUCKET_LUA + r"""
--- KEYS[1] {P}:replica:<id> (sequence of the last batch applied), KEYS[2..] bucket hashes
--- ARGV[1] batch sequence number, ARGV[2] keep (ms);
--- then per bucket: requests/min, tokens/min, requests to charge, tokens to charge (negative: give back)
+-- KEYS[1] {P}:replica:<id> (sequence of the last batch applied), KEYS[2] {P}:rsv:<id> (its
+-- reserve log), KEYS[3..] bucket hashes
+-- ARGV[1] batch sequence number, ARGV[2] keep (ms), ARGV[3] C: the buckets corrected are KEYS[3..2+C];
+-- then per corrected bucket: requests/min, tokens/min, requests to charge, tokens to charge
+-- (negative: give back); then per reserve written off (its reply never came: the replica served
+-- the request from its local share and charges that take here): its number, its tokens, B, then
+-- B x (index into KEYS of a bucket it took from, requests/min, tokens/min). A written-off reserve
+-- that ran is given back; one that has not run yet never will (it finds its mark 'x<n>').
 -- returns 1 if applied, 0 if this batch was applied before (a resend)
 local seq = tonumber(ARGV[1])
 local last = tonumber(redis.call('HGET', KEYS[1], 'rl_seq') or '-1')
 if seq <= last then return 0 end
 local now = now_ms()
-for i = 2, #KEYS do
-  local b = 3 + 4 * (i - 2)
+local keep = tonumber(ARGV[2])
+local c = tonumber(ARGV[3])
+for j = 1, c do
+  local b = 4 + 4 * (j - 1)
   local rpm, tpm, dr, dt = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
-  local r, tk = load(KEYS[i], rpm, tpm, now)
+  local r, tk = load(KEYS[2 + j], rpm, tpm, now)
   if rpm > 0 then r = math.min(rpm, r - dr) end
   if tpm > 0 then tk = math.min(tpm, tk - dt) end
-  store(KEYS[i], r or 0, tk or 0, rpm, tpm, now)
+  store(KEYS[2 + j], r or 0, tk or 0, rpm, tpm, now)
 end
+local a = 4 + 4 * c
+local wrote = false
+while a <= #ARGV do
+  local id = tostring(tonumber(ARGV[a]))
+  local n, nb = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local took = redis.call('ZSCORE', KEYS[2], id)
+  a = a + 3
+  for k = 1, nb do
+    if took then
+      local key, rpm, tpm = KEYS[tonumber(ARGV[a])], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+      local r, tk = load(key, rpm, tpm, now)
+      if rpm > 0 then r = math.min(rpm, r + 1) end
+      if tpm > 0 then tk = math.min(tpm, tk + n) end
+      store(key, r or 0, tk or 0, rpm, tpm, now)
+    end
+    a = a + 3
+  end
+  if took then redis.call('ZREM', KEYS[2], id) end
+  redis.call('ZADD', KEYS[2], tonumber(id), 'x' .. id)
+  wrote = true
+end
+if wrote then redis.call('PEXPIRE', KEYS[2], keep) end
 redis.call('HSET', KEYS[1], 'rl_seq', seq)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], keep)
 return 1
 """
 
@@ -195,18 +249,24 @@ def buckets_for(keys, user_id: str, group: str, user_limit: RateLimit, group_lim
     return tuple(out)
 
 
-def reserve_args(buckets: tuple[Bucket, ...], tokens: int) -> tuple[list[str], list]:
-    """KEYS and ARGV of :data:`RESERVE_SCRIPT`."""
-    args: list = [tokens]
+def reserve_args(buckets: tuple[Bucket, ...], tokens: int, log_key: str, number: int, floor: int, keep_ms: int) -> tuple[list[str], list]:
+    """KEYS and ARGV of :data:`RESERVE_SCRIPT`.
+
+    Args:
+        log_key: the replica's reserve log (:meth:`proxy.shared.keys.Keys.reserve_log`).
+        number, floor: this reserve's number and the replica's floor (:class:`ReserveLog`).
+        keep_ms: the log's idle lifetime.
+    """
+    args: list = [tokens, number, floor, keep_ms]
     for b in buckets:
         args += [b.requests_per_minute, b.tokens_per_minute]
-    return [b.key for b in buckets], args
+    return [log_key] + [b.key for b in buckets], args
 
 
 def parse_reserve(reply: str | bytes, buckets: tuple[Bucket, ...]) -> tuple[float, str, str, list[tuple[float, float]]]:
     """(wait_s, scope, unit, levels) from a reserve reply; wait 0.0 means taken."""
     r = orjson.loads(reply)
-    lv = [(float(a), float(b)) for a, b in (r.get("lv") or [])]
+    lv = [(float(a), float(b)) for a, b in (r.get("lv") or [])]  # cjson writes an empty list as {}
     if int(r["ok"]):
         return 0.0, "", "", lv
     return float(r["wait"]), buckets[int(r["i"]) - 1].scope, r["u"], lv
@@ -364,12 +424,14 @@ def _reconfigured(bucket: TokenBucket | None, per_minute: float, now: float) -> 
 @dataclass(slots=True)
 class PendingAdjustments:
     """Corrections waiting for the next sync: per bucket, requests and tokens to charge
-    (negative: give back), with the bucket's limits. Bounded: past ``max_buckets``
-    distinct buckets, new corrections are dropped and counted in ``dropped``.
+    (negative: give back), with the bucket's limits; and the reserves written off (sent,
+    their reply never read: see :class:`ReserveLog`). Bounded: past ``max_buckets``
+    distinct buckets (or written-off reserves), new ones are dropped and counted in
+    ``dropped``.
 
-    A batch (at most ``batch_size`` buckets, so no script call runs long) is frozen by
-    :meth:`freeze` with a sequence number and resent unchanged until Redis confirms it
-    (:meth:`confirm`), so it is applied exactly once.
+    A batch (at most ``batch_size`` buckets and written-off reserves, so no script call runs
+    long) is frozen by :meth:`freeze` with a sequence number and resent unchanged until
+    Redis confirms it (:meth:`confirm`), so it is applied exactly once.
     """
 
     max_buckets: int = 100_000
@@ -377,7 +439,8 @@ class PendingAdjustments:
     dropped: int = 0
     seq: int = 0
     _open: dict[str, list] = field(default_factory=dict)
-    _frozen: dict[str, list] | None = None
+    _lost: list[tuple[int, tuple[Bucket, ...], int]] = field(default_factory=list)
+    _frozen: tuple[dict[str, list], list] | None = None
 
     def add(self, buckets: tuple[Bucket, ...], requests: float, tokens: float) -> None:
         """Add a correction for each bucket."""
@@ -392,9 +455,20 @@ class PendingAdjustments:
             entry[2] += requests if b.requests_per_minute else 0.0
             entry[3] += tokens if b.tokens_per_minute else 0.0
 
-    def freeze(self) -> tuple[int, dict[str, list]] | None:
-        """The batch to send now (the unconfirmed one, else the open corrections), or
-        None when there is nothing to send."""
+    def write_off(self, number: int, buckets: tuple[Bucket, ...], tokens: int) -> bool:
+        """Reserve ``number`` (one request and ``tokens`` from ``buckets``) was sent and its
+        reply never read: with the next batch, Redis gives its take back if it ran and makes
+        sure it never runs later. Returns False when dropped (past the bound)."""
+        if len(self._lost) >= self.max_buckets:
+            self.dropped += 1
+            return False
+        self._lost.append((number, buckets, tokens))
+        return True
+
+    def freeze(self) -> tuple[int, dict[str, list], list[tuple[int, tuple[Bucket, ...], int]]] | None:
+        """The batch to send now (the unconfirmed one, else the open corrections and
+        written-off reserves), as (sequence number, corrections per bucket key, written-off
+        reserves), or None when there is nothing to send."""
         if self._frozen is None:
             batch: dict[str, list] = {}
             while self._open and len(batch) < self.batch_size:
@@ -402,28 +476,87 @@ class PendingAdjustments:
                 entry = self._open.pop(key)
                 if entry[2] or entry[3]:
                     batch[key] = entry
-            if not batch:
+            room = max(0, self.batch_size - len(batch))
+            lost, self._lost = self._lost[:room], self._lost[room:]
+            if not batch and not lost:
                 return None
             self.seq += 1
-            self._frozen = batch
-        return self.seq, self._frozen
+            self._frozen = (batch, lost)
+        return self.seq, self._frozen[0], self._frozen[1]
 
-    def confirm(self) -> None:
-        """Redis applied the frozen batch."""
-        self._frozen = None
+    def confirm(self) -> list[int]:
+        """Redis applied the frozen batch; returns the numbers of the reserves it wrote off
+        (now settled)."""
+        frozen, self._frozen = self._frozen, None
+        return [n for n, _, _ in frozen[1]] if frozen is not None else []
 
     def __len__(self) -> int:
-        return len(self._open) + len(self._frozen or ())
+        frozen = len(self._frozen[0]) + len(self._frozen[1]) if self._frozen is not None else 0
+        return len(self._open) + len(self._lost) + frozen
 
 
-def adjust_args(replica_key: str, seq: int, keep_ms: int, batch: dict[str, list]) -> tuple[list[str], list]:
-    """KEYS and ARGV of :data:`ADJUST_SCRIPT` for one frozen batch."""
-    keys = [replica_key]
-    args: list = [seq, keep_ms]
+def adjust_args(
+    replica_key: str, log_key: str, seq: int, keep_ms: int, batch: dict[str, list], lost: list[tuple[int, tuple[Bucket, ...], int]] = ()
+) -> tuple[list[str], list]:
+    """KEYS and ARGV of :data:`ADJUST_SCRIPT` for one frozen batch (``lost``: the reserves
+    written off, as :meth:`PendingAdjustments.freeze` gives them)."""
+    keys = [replica_key, log_key]
+    args: list = [seq, keep_ms, len(batch)]
     for key, (rpm, tpm, dr, dt) in batch.items():
         keys.append(key)
         args += [rpm, tpm, dr, dt]
+    for number, buckets, tokens in lost:
+        args += [number, tokens, len(buckets)]
+        for b in buckets:
+            keys.append(b.key)
+            args += [len(keys), b.requests_per_minute, b.tokens_per_minute]
     return keys, args
+
+
+class ReserveLog:
+    """This replica's reserves whose outcome in Redis it may not know yet: what makes a
+    reserve whose reply came late (or never) cost its limits once.
+
+    Every reserve sent to Redis gets a number (increasing). :data:`RESERVE_SCRIPT` records
+    a take under its number in the replica's log (``{P}:rsv:<replica id>``). When the reply
+    is read, the number is settled. When it is not (the pipeline timed out or its
+    connection broke, so the request was served from the local share, whose take is
+    charged to Redis as well), the reserve is *written off*: the next adjust batch asks
+    Redis to give its take back if it ran, and to mark it so that it never runs later (a
+    frozen Redis runs what it had received when it thaws); once Redis confirms, the number
+    is settled. Each reserve also tells Redis the *floor*, the smallest number not settled
+    here: Redis forgets the records below it, so the log holds about the reserves in flight.
+
+    Exact while the log lives: it expires ``keep`` (10 leases, at least a minute) after its
+    last write, so a write-off that reaches Redis later than that (a replica cut off for
+    longer) finds no record and gives nothing back; by then a bucket has refilled anyway,
+    unless it is in debt.
+    """
+
+    def __init__(self) -> None:
+        self.number = 0
+        self._open: list[int] = []  # a heap of the numbers not settled (lazy deletion)
+        self._settled: set[int] = set()
+
+    def open(self) -> int:
+        """A number for a new reserve (unsettled until :meth:`settle`)."""
+        self.number += 1
+        heapq.heappush(self._open, self.number)
+        return self.number
+
+    def settle(self, number: int) -> None:
+        """Its reply was read, or Redis confirmed its write-off, or it was never sent."""
+        self._settled.add(number)
+        while self._open and self._open[0] in self._settled:
+            self._settled.discard(heapq.heappop(self._open))
+
+    @property
+    def floor(self) -> int:
+        """The smallest number not settled (the next one when all are)."""
+        return self._open[0] if self._open else self.number + 1
+
+    def __len__(self) -> int:
+        return len(self._open) - len(self._settled)
 
 
 Call = tuple[list[str], list]
@@ -441,23 +574,35 @@ class ReserveBatcher:
         on_orphan: called with (buckets, tokens) for a reserve that succeeded in Redis
             after its request stopped waiting (cancelled or timed out), so that the take
             is given back.
+        on_read: called with a reserve's number once its outcome is known here (its reply
+            read, or it was never sent: its request stopped waiting first).
+        on_lost: called with (number, buckets, tokens) for a reserve sent in a pipeline
+            whose replies were lost (a timeout, a broken connection): it may have run.
     """
 
-    def __init__(self, send: Callable[[list[Call]], Awaitable[list]], on_orphan: Callable[[tuple[Bucket, ...], int], None]) -> None:
+    def __init__(
+        self,
+        send: Callable[[list[Call]], Awaitable[list]],
+        on_orphan: Callable[[tuple[Bucket, ...], int], None],
+        on_read: Callable[[int], None] = lambda _n: None,
+        on_lost: Callable[[int, tuple[Bucket, ...], int], None] = lambda _n, _b, _t: None,
+    ) -> None:
         self._send = send
         self._on_orphan = on_orphan
-        self._queue: list[tuple[Call, asyncio.Future, tuple[Bucket, ...], int]] = []
+        self._on_read = on_read
+        self._on_lost = on_lost
+        self._queue: list[tuple[Call, asyncio.Future, tuple[Bucket, ...], int, int]] = []
         self._task: asyncio.Task | None = None
         self.pipelines = 0  # sent, for the benchmark and tests
 
-    async def reserve(self, call: Call, buckets: tuple[Bucket, ...], tokens: int):
-        """The raw reply of :data:`RESERVE_SCRIPT` for ``call``.
+    async def reserve(self, call: Call, buckets: tuple[Bucket, ...], tokens: int, number: int = 0):
+        """The raw reply of :data:`RESERVE_SCRIPT` for ``call`` (reserve ``number``).
 
         Raises:
             whatever ``send`` raised for the pipeline, or the call's own error reply.
         """
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append((call, fut, buckets, tokens))
+        self._queue.append((call, fut, buckets, tokens, number))
         if self._task is None:
             self._task = asyncio.create_task(self._drain(), name="llm-qos rate-limit reserves")
         return await fut
@@ -466,15 +611,25 @@ class ReserveBatcher:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
+                sent = []
+                for item in batch:
+                    if item[1].done():  # its request stopped waiting before it was sent
+                        self._on_read(item[4])
+                    else:
+                        sent.append(item)
+                if not sent:
+                    continue
                 self.pipelines += 1
                 try:
-                    replies = await self._send([call for call, *_ in batch])
+                    replies = await self._send([call for call, *_ in sent])
                 except Exception as e:  # Redis unreachable: every request of the batch learns it
-                    for _, fut, _, _ in batch:
+                    for _, fut, buckets, tokens, number in sent:
+                        self._on_lost(number, buckets, tokens)  # it may have run: written off
                         if not fut.done():
                             fut.set_exception(type(e)(*e.args) if _copyable(e) else RuntimeError(str(e)))
                     continue
-                for (_, fut, buckets, tokens), reply in zip(batch, replies):
+                for (_, fut, buckets, tokens, number), reply in zip(sent, replies):
+                    self._on_read(number)
                     if fut.done():  # the request stopped waiting: undo a take it never used
                         if not isinstance(reply, BaseException) and orjson.loads(reply).get("ok"):
                             self._on_orphan(buckets, tokens)

@@ -78,6 +78,7 @@ from .rate_limits import (
     RateLimited,
     Reservation,
     ReserveBatcher,
+    ReserveLog,
     adjust_args,
     buckets_for,
     parse_reserve,
@@ -160,7 +161,14 @@ class SharedState:
         self._scripts: dict = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.reserves = ReserveBatcher(self._send_reserves, lambda buckets, tokens: self.adjustments.add(buckets, -1, -tokens))
+        self.reserve_log = ReserveLog()  # reserves whose outcome in Redis is not known here yet
+        self._reserve_log_key = self.keys.reserve_log(self.replica_id)
+        self.reserves = ReserveBatcher(
+            self._send_reserves,
+            lambda buckets, tokens: self.adjustments.add(buckets, -1, -tokens),
+            on_read=self.reserve_log.settle,
+            on_lost=self._write_off,
+        )
         self._stopping = False
         self._sync_lock = asyncio.Lock()  # one sync at a time (the loop, stop(), tests)
         self._started_at = clock()
@@ -302,7 +310,8 @@ class SharedState:
         if pairs:
             self.counters.apply_reply(pairs, incs, replies[1])
         if adj is not None:
-            self.adjustments.confirm()
+            for number in self.adjustments.confirm():  # written off in Redis: settled
+                self.reserve_log.settle(number)
         self.live_replicas = max(1, int(lease["n"]))
         self.rank = int(lease["rank"])
         self.rebuilding = bool(lease["rebuild"])
@@ -329,7 +338,7 @@ class SharedState:
         if pairs:
             calls.append((s["service"], *self.counters.redis_args(self.keys.replica(self.replica_id), pairs, svc_seq, incs, self._ttl_ms, self._keep_ms)))
         if adj is not None:
-            calls.append((s["adjust"], *adjust_args(self.keys.replica(self.replica_id), adj[0], self._keep_ms, adj[1])))
+            calls.append((s["adjust"], *adjust_args(self.keys.replica(self.replica_id), self._reserve_log_key, adj[0], self._keep_ms, adj[1], adj[2])))
         for attempt in (0, 1):
             try:
                 async with asyncio.timeout(self._timeout):
@@ -401,6 +410,13 @@ class SharedState:
                 await self._reserve_redis.script_load(script.script)
         raise AssertionError("unreachable")
 
+    def _write_off(self, number: int, buckets, tokens: int) -> None:
+        """Reserve ``number`` was sent but its reply is lost: its request is served from the
+        local share (charged to Redis with the next sync), so Redis must give the reserve's
+        take back if it ran, or never run it (:class:`ReserveLog`)."""
+        if not self.adjustments.write_off(number, buckets, tokens):
+            self.reserve_log.settle(number)  # dropped past the bound: it may cost twice
+
     @property
     def share_replicas(self) -> int:
         """N, the divisor of the local shares (capacity and limits ÷ N) while Redis cannot
@@ -439,7 +455,9 @@ class SharedState:
             try:
                 # its pipeline may wait for the one in flight: two timeouts at most
                 async with asyncio.timeout(self._timeout * 2):
-                    reply = await self.reserves.reserve(reserve_args(buckets, tokens), buckets, tokens)
+                    number = self.reserve_log.open()
+                    call = reserve_args(buckets, tokens, self._reserve_log_key, number, self.reserve_log.floor, self._keep_ms)
+                    reply = await self.reserves.reserve(call, buckets, tokens, number)
             except _UNREACHABLE as e:
                 _still_cancelled()
                 self._unreachable(e)
