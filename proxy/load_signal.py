@@ -77,7 +77,9 @@ _VLLM_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _VLLM_WAITING = ("vllm:num_requests_waiting",)
 _SGLANG_USAGE = ("sglang:token_usage",)
 _SGLANG_WAITING = ("sglang:num_queue_reqs",)
-_WANTED = frozenset(_VLLM_USAGE + _VLLM_WAITING + _SGLANG_USAGE + _SGLANG_WAITING)
+_VLLM_RUNNING = ("vllm:num_requests_running",)
+_SGLANG_RUNNING = ("sglang:num_running_reqs",)
+_WANTED = frozenset(_VLLM_USAGE + _VLLM_WAITING + _VLLM_RUNNING + _SGLANG_USAGE + _SGLANG_WAITING + _SGLANG_RUNNING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +90,14 @@ class Reading:
         load: fraction (0-1) of the engine's KV budget in use or reserved, or ``None``.
         waiting: requests queued inside the engine, or ``None`` when it does not say.
         engine: ``lightllm``, ``vllm`` or ``sglang``.
+        running: requests the engine runs now (vLLM ``vllm:num_requests_running``, SGLang
+            ``sglang:num_running_reqs``; every client's, all replicas'), or ``None``.
     """
 
     load: float | None
     waiting: int | None
     engine: str
+    running: int | None = None
 
 
 class NoSignal(Exception):
@@ -164,18 +169,20 @@ def parse_prometheus(text: str) -> Reading:
         s = _sample(line)
         if s is not None and s[0] in _WANTED:
             found.setdefault(s[0], []).append(s[1])
-    for engine, usage_names, waiting_names in (
-        ("vllm", _VLLM_USAGE, _VLLM_WAITING),
-        ("sglang", _SGLANG_USAGE, _SGLANG_WAITING),
+    for engine, usage_names, waiting_names, running_names in (
+        ("vllm", _VLLM_USAGE, _VLLM_WAITING, _VLLM_RUNNING),
+        ("sglang", _SGLANG_USAGE, _SGLANG_WAITING, _SGLANG_RUNNING),
     ):
         usage = next((found[n] for n in usage_names if n in found), None)
         waiting = next((found[n] for n in waiting_names if n in found), None)
         if usage is None and waiting is None:
             continue
+        running = next((found[n] for n in running_names if n in found), None)
         return Reading(
             load=min(usage) if usage else None,
             waiting=int(sum(waiting)) if waiting else None,
             engine=engine,
+            running=int(sum(running)) if running else None,
         )
     raise NoSignal("/metrics has no vLLM or SGLang load metrics")
 
@@ -344,6 +351,7 @@ class EnginePoller:
                 inflight=engine.inflight,
                 demand=self._demand(),
                 engine_waiting=None if fresh is None else fresh.waiting,
+                engine_running=None if fresh is None else fresh.running,
                 queue_at=cfg.queue_at,
                 kv_usage=None if fresh is None else fresh.load,
                 saturated_at=cfg.saturated_at,

@@ -159,8 +159,9 @@ class EngineState:
 
     @property
     def max_inflight(self) -> int:
-        """Its configured capacity in requests."""
-        return self.spec.max_inflight
+        """Its capacity in requests, all replicas together: :attr:`found_capacity` (the
+        configured ``max_inflight`` is its ceiling; the capacity leases share this out)."""
+        return self.found_capacity
 
     @property
     def max_inflight_tokens(self) -> int | None:

@@ -14,9 +14,10 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
 
 1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``)
    **or its KV cache is full** (at or above ``saturated_at``): multiplicative decrease,
-   and at once no more than what it runs of ours,
-   ``limit <- max(floor, min(limit * backoff, inflight - waiting))`` (``waiting`` 0 for a
-   full KV cache). Nothing new is dispatched until requests end, so the queue stays in
+   and at once no more than what it runs,
+   ``limit <- max(floor, min(limit * backoff, running))``: for a queue, ``running`` is what
+   the engine reports it runs (every client's, so replicas sharing it find the engine's
+   whole capacity), else our in flight less what waits; for a full KV cache, our in flight. Nothing new is dispatched until requests end, so the queue stays in
    the proxy, ordered by priority and fair share, not in the engine's FIFO; with
    ``floor`` >= 1 one request still goes when none of ours runs there, so an engine kept
    busy by someone else cannot stall the proxy's queue for good.
@@ -112,6 +113,8 @@ class Observation:
         demand: requests wait in the proxy that this engine could serve.
         engine_waiting: requests waiting inside the engine, from a fresh report, or
             ``None`` (no report, or a stale one).
+        engine_running: requests the engine runs now, every client's (all replicas of
+            the proxy, others), from the same report, or ``None``.
         queue_at: waiting count from which the engine counts as queueing (0: ignore it).
         kv_usage: fraction of the engine's KV cache in use, fresh, or ``None``.
         saturated_at: the KV fraction from which it counts as full.
@@ -126,6 +129,7 @@ class Observation:
     inflight: int
     demand: bool
     engine_waiting: int | None = None
+    engine_running: int | None = None
     queue_at: int = 1
     kv_usage: float | None = None
     saturated_at: float = 0.95
@@ -189,7 +193,8 @@ class CapacityController:
             return self.value
         waiting = obs.engine_waiting
         if obs.queue_at > 0 and waiting is not None and waiting >= obs.queue_at:
-            self._lower(min(self.limit * s.backoff, obs.inflight - waiting), REASON_ENGINE_QUEUE, s.floor)
+            running = obs.engine_running if obs.engine_running is not None else obs.inflight - waiting
+            self._lower(min(self.limit * s.backoff, running), REASON_ENGINE_QUEUE, s.floor)
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
             self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
         elif (slow := self._slow(obs)) >= s.slow_steps:

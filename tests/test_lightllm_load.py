@@ -123,13 +123,13 @@ sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B"} 40.0
 
 
 def test_vllm_metrics():
-    assert parse_prometheus(VLLM) == Reading(load=0.42, waiting=5, engine="vllm")
+    assert parse_prometheus(VLLM) == Reading(load=0.42, waiting=5, engine="vllm", running=12)
     old = 'vllm:gpu_cache_usage_perc{model_name="x y}z"} 0.5\nvllm:num_requests_waiting{model_name="x"} 0.0 1700000000000\n'
     assert parse_prometheus(old) == Reading(load=0.5, waiting=0, engine="vllm")
 
 
 def test_sglang_metrics():
-    assert parse_prometheus(SGLANG) == Reading(load=0.96, waiting=0, engine="sglang")
+    assert parse_prometheus(SGLANG) == Reading(load=0.96, waiting=0, engine="sglang", running=40)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +241,7 @@ async def test_sglang_token_usage_saturates(aiohttp_server):
     upstream = await aiohttp_server(up.app)
     app, _ = await _proxy_in_process(aiohttp_server, str(upstream.make_url("")).rstrip("/"), FAST)
     await wait_until(lambda: app[LOAD_SIGNAL].saturated, what="saturation seen")
-    assert app[LOAD_SIGNAL].reading == Reading(0.96, 0, "sglang")
+    assert app[LOAD_SIGNAL].reading == Reading(0.96, 0, "sglang", running=40)
     up.text = SGLANG.replace("0.96", "0.5")
     await wait_until(lambda: not app[LOAD_SIGNAL].saturated, what="saturation over")
 
