@@ -95,17 +95,19 @@ RESERVE_SCRIPT = _BUCKET_LUA + r"""
 local now = now_ms()
 local log, seq, floor, keep = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local id = tostring(seq)
-local fl = tonumber(redis.call('ZSCORE', log, 'floor') or 0)
-if seq < fl or redis.call('ZSCORE', log, 'x' .. id) then
+local seen = redis.call('ZMSCORE', log, 'floor', 'x' .. id, id)
+local fl = tonumber(seen[1] or 0)
+if seq < fl or seen[2] then
   return cjson.encode({ok = 0, gone = 1, wait = 0, i = 0, u = '', lv = {}})
 end
-if redis.call('ZSCORE', log, id) then  -- taken before (a resent pipeline): once only
+if seen[3] then  -- taken before (a resent pipeline): once only
   return cjson.encode({ok = 1, wait = 0, i = 0, u = '', lv = {}})
 end
-if floor > fl then  -- what the replica has settled needs no record any more
+-- what the replica has settled needs no record any more; forgotten in steps of 32 (a mark
+-- below the replica's floor is safe: a settled reserve never runs again, or is marked x<n>)
+if floor >= fl + 32 then
   redis.call('ZREMRANGEBYSCORE', log, '-inf', '(' .. floor)
   redis.call('ZADD', log, floor, 'floor')
-  redis.call('PEXPIRE', log, keep)
 end
 local n = tonumber(ARGV[1])
 local lv, wait, wi, wu = {}, 0, 0, ''
@@ -525,7 +527,8 @@ class ReserveLog:
     Redis to give its take back if it ran, and to mark it so that it never runs later (a
     frozen Redis runs what it had received when it thaws); once Redis confirms, the number
     is settled. Each reserve also tells Redis the *floor*, the smallest number not settled
-    here: Redis forgets the records below it, so the log holds about the reserves in flight.
+    here: Redis forgets the records below it (in steps of 32 numbers, to spare calls), so
+the log holds the reserves in flight plus at most 32.
 
     Exact while the log lives: it expires ``keep`` (10 leases, at least a minute) after its
     last write, so a write-off that reaches Redis later than that (a replica cut off for
