@@ -8,8 +8,19 @@ and ``engine`` take configured names (an engine's ``name``, else its URL), ``sta
   ``ejected``, ``draining``), 0 for the others.
 * ``llm_qos_engine_inflight_requests``, ``llm_qos_engine_inflight_tokens``: requests placed
   on it and their reserved tokens.
-* ``llm_qos_engine_capacity_requests``: requests it may run now (``max_inflight``, lowered
-  by its load signal).
+* ``llm_qos_engine_capacity_requests``: requests it may run now: the capacity its
+  controller found (:mod:`qos.capacity_control`; ``max_inflight`` when fixed), lowered by a
+  fixed engine's load-signal hold and this replica's lease.
+* ``llm_qos_engine_capacity_found_requests``: the capacity found, all replicas together
+  (before the lease).
+* ``llm_qos_engine_capacity_reason{reason}``: 1 for why the limit is what it is now
+  (:data:`REASONS`), 0 for the others.
+* ``llm_qos_engine_capacity_decreases_total{reason}``: control steps that lowered it.
+* ``llm_qos_engine_tpot_seconds`` / ``llm_qos_engine_tpot_baseline_seconds``: the median
+  time per output token of its streams at the last step, and the unloaded figure the
+  bound is taken against; ``llm_qos_engine_ttft_seconds`` /
+  ``llm_qos_engine_ttft_baseline_seconds``: time to first token from dispatch (a moving
+  average) and its unloaded figure. Absent until measured.
 * ``llm_qos_engine_load``: its last fresh KV-cache load (fraction); absent without one.
 * ``llm_qos_engine_saturated``: 1 while its load signal says it is saturated (new work
   held back from it), else 0 (also without a load signal).
@@ -32,9 +43,23 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qos.capacity_control import (
+    REASON_CEILING,
+    REASON_ENGINE_QUEUE,
+    REASON_FIXED,
+    REASON_GROWING,
+    REASON_KV_CACHE,
+    REASON_LATENCY,
+    REASON_START,
+    REASON_STEADY,
+)
+
 from .router import PoolRouter
 
 STATES = ("healthy", "ejected", "draining")
+REASONS = (
+    REASON_START, REASON_GROWING, REASON_STEADY, REASON_CEILING, REASON_ENGINE_QUEUE, REASON_KV_CACHE, REASON_LATENCY, REASON_FIXED,
+)  # fmt: skip
 
 
 class EngineCollector(Collector):
@@ -52,7 +77,16 @@ class EngineCollector(Collector):
         state = GaugeMetricFamily("llm_qos_engine_state", "1 for the engine's state (healthy, ejected, draining), 0 for the others.", labels=[*labels, "state"])
         inflight = GaugeMetricFamily("llm_qos_engine_inflight_requests", "Requests placed on the engine and not finished.", labels=labels)
         tokens = GaugeMetricFamily("llm_qos_engine_inflight_tokens", "Reserved tokens (prompt + max output) of the requests placed on the engine.", labels=labels)
-        capacity = GaugeMetricFamily("llm_qos_engine_capacity_requests", "Requests the engine may run now: max_inflight, lowered by its load signal.", labels=labels)
+        capacity = GaugeMetricFamily(
+            "llm_qos_engine_capacity_requests", "Requests the engine may run now: the capacity found (max_inflight when fixed), less a load-signal hold and this replica's lease.", labels=labels
+        )
+        found = GaugeMetricFamily("llm_qos_engine_capacity_found_requests", "Requests the engine may run, all replicas together, as its capacity controller found.", labels=labels)
+        why = GaugeMetricFamily("llm_qos_engine_capacity_reason", "1 for why the engine's capacity is what it is now, 0 for the other reasons.", labels=[*labels, "reason"])
+        decreases = CounterMetricFamily("llm_qos_engine_capacity_decreases", "Control steps that lowered the engine's capacity, by reason.", labels=[*labels, "reason"])
+        tpot = GaugeMetricFamily("llm_qos_engine_tpot_seconds", "Median time per output token of the proxy's streams on the engine at the last control step.", labels=labels)
+        tpot_base = GaugeMetricFamily("llm_qos_engine_tpot_baseline_seconds", "The engine's time per output token with little load (the slowdown bound's reference).", labels=labels)
+        ttft = GaugeMetricFamily("llm_qos_engine_ttft_seconds", "Time to first token from dispatch on the engine (a moving average).", labels=labels)
+        ttft_base = GaugeMetricFamily("llm_qos_engine_ttft_baseline_seconds", "The engine's time to first token with little load.", labels=labels)
         load = GaugeMetricFamily("llm_qos_engine_load", "The engine's last fresh KV-cache load (fraction).", labels=labels)
         saturated = GaugeMetricFamily("llm_qos_engine_saturated", "1 while the engine's load signal says it is saturated (new work held back from it).", labels=labels)
         headroom = GaugeMetricFamily("llm_qos_engine_headroom", "Fraction of the engine still free (requests, tokens and load; the router's measure).", labels=labels)
@@ -74,6 +108,15 @@ class EngineCollector(Collector):
                 inflight.add_metric(key, e.inflight)
                 tokens.add_metric(key, e.inflight_tokens)
                 capacity.add_metric(key, e.capacity)
+                c = e.control
+                found.add_metric(key, e.found_capacity)
+                for r in REASONS:
+                    why.add_metric([*key, r], 1.0 if r == c.reason else 0.0)
+                for r, n in c.decreases.items():
+                    decreases.add_metric([*key, r], n)
+                for family, v in ((tpot, c.tpot_s), (tpot_base, c.baseline_tpot_s), (ttft, c.ttft_s), (ttft_base, c.baseline_ttft_s)):
+                    if v is not None:
+                        family.add_metric(key, v)
                 if e.load is not None:
                     load.add_metric(key, e.load)
                 saturated.add_metric(key, 1.0 if e.saturated else 0.0)
@@ -85,7 +128,8 @@ class EngineCollector(Collector):
                     failures.add_metric([*key, reason], n)
                 for result, n in e.health.checks.items():
                     checks.add_metric([*key, result], n)
-        yield from (state, inflight, tokens, capacity, load, saturated, headroom, routed, ejections, refused, failures, checks)
+        yield from (state, inflight, tokens, capacity, found, why, decreases, tpot, tpot_base, ttft, ttft_base)
+        yield from (load, saturated, headroom, routed, ejections, refused, failures, checks)
 
 
 def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRouter]]) -> EngineCollector:
