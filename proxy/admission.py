@@ -602,9 +602,13 @@ class Admission:
         engines = {}
         for t in pool.scheduler.inflight:
             engines[t] = t.placement
-        victims = pool.scheduler.preempt(self.preempt_after_s(pool), cfg.max_per_request, _abortable)
+        after = self.preempt_after_s(pool)
+        victims = pool.scheduler.preempt(after, cfg.max_per_request, _abortable)
         if not victims:
-            return  # nothing to take now: the next change re-arms
+            due = pool.scheduler.preempt_at(after)
+            if due is not None and due > self._clock():
+                self._arm_preempt(pool)  # fired early (the head changed, or clock rounding)
+            return  # else nothing to take now: the next change re-arms
         loop = asyncio.get_running_loop()
         for t in victims:
             engine = engines.get(t)
