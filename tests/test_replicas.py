@@ -369,3 +369,66 @@ async def test_tokens_per_minute_are_settled_to_real_usage_across_replicas(aioht
             assert stats.started == served
     finally:
         reps.stop()
+
+
+async def test_a_replica_that_ejected_an_engine_leaves_it_to_the_others(aiohttp_server, redis_server):
+    """Issue 21.2 through real processes: replica A cannot reach engine e1 (its e1 URL is
+    a port nothing listens on; the same engine name), so its health checks eject it, while
+    requests wait on A for e0. A claims nothing on e1: B's requests run on both of e1's
+    slots (before: A held a share of e1 it could not use, and e1 ran at most 1 of 2)."""
+    from bench.scripted_engine import make_app as engine_app
+    from tests.proc_util import free_port
+
+    e0, e1 = await aiohttp_server(engine_app("e0", itl_s=0.02)), await aiohttp_server(engine_app("e1", itl_s=0.02))
+    # the engines run in this test's loop, which starting the replicas blocks for a while: a
+    # check of e0 may time out then, and e0 comes back at its next probe; e1 stays out on A
+    fast = {"check_interval_s": 0.2, "check_timeout_s": 2.0, "checks_to_eject": 2, "eject_base_s": 0.3, "eject_max_s": 1.0}
+
+    def cfg(e1_url: str) -> dict:
+        c = replica_config("http://unused", redis_server.url, "eject", GROUPS)
+        del c["upstream"]["url"]
+        c["pools"] = [
+            {
+                "name": "p",
+                "models": ["*"],
+                "engines": [
+                    {"url": str(e0.make_url("")).rstrip("/"), "name": "e0", "max_inflight": 1},
+                    {"url": e1_url, "name": "e1", "max_inflight": 2},
+                ],
+                "health": fast,
+            }
+        ]
+        return c
+
+    settled(redis_server.url, "eject")
+    reps = Replicas().start([cfg(f"http://127.0.0.1:{free_port()}"), cfg(str(e1.make_url("")).rstrip("/"))])
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_all(s, reps.urls, lambda st: st["mode"] == "shared" and len(st["grants"]) == 2, 20, "every replica in sync")
+            for _ in range(200):  # A's checks eject its e1
+                engines = {e["name"]: e["state"] for e in (await status(s, reps.urls[0]))["engines"]}
+                if engines == {"e0": "healthy", "e1": "ejected"}:
+                    break
+                await asyncio.sleep(0.05)
+            assert engines == {"e0": "healthy", "e1": "ejected"}, [(e["name"], e["last_error"]) for e in (await status(s, reps.urls[0]))["engines"]]
+            rng = random.Random(7)
+            results: list = []
+            stats1 = e1.app[STATS]
+            # requests wait on A (for e0, its only engine) and on B, more than both engines
+            # hold; B's outlast A's, so B always wants e1 while A's wait
+            a_load = asyncio.ensure_future(asyncio.gather(*(_closed_loop(s, reps.urls[:1], "carl", "a", 6, rng, results, n=10) for _ in range(4))))
+            b_load = asyncio.ensure_future(asyncio.gather(*(_closed_loop(s, reps.urls[1:], "carl", "b", 16, rng, results, n=10) for _ in range(6))))
+            samples = []  # (A's grant on e1, requests e1 runs), while A's requests wait
+            while not a_load.done():
+                st = await status(s, reps.urls[0])
+                samples.append((st["shared_state"]["grants"]["p/e1:slots"], stats1.active))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(a_load, b_load)
+            assert [r[1] for r in results] == [200] * (24 + 96)
+            assert set(stats1.tags) == {"b"}  # A never sent anything to its unreachable e1
+            held = [g for g, _ in samples if g]
+            print(f"{len(samples)} samples while A's requests waited: A held e1 in {len(held)}; e1 ran at most {max(a for _, a in samples)} at once")
+            assert not held, f"A held a grant on e1 it had ejected in {len(held)} of {len(samples)} samples"
+            assert max(a for _, a in samples) == 2, "e1 never ran both of its slots while A's requests waited"
+    finally:
+        reps.stop()
