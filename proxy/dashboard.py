@@ -196,6 +196,9 @@ def _share(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
+ENGINE_FIELDS = ("id", "failed", "routed_per_s", "failed_per_s")  # what the dashboard adds to an engine's status row
+
+
 def engine_id(row: dict) -> str:
     """An engine's id on the dashboard: ``POOL/NAME`` (names are unique per pool)."""
     return f"{row.get('pool')}/{row['name']}"
