@@ -4,6 +4,9 @@
 Engine ``i`` (from 0) listens on ``base_port + i`` and runs ``python -m engine_server``
 with that port, so each is supervised and reports readiness as a single engine does.
 
+* vLLM backend: N vLLM servers; on a CPU each holds its ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB
+  by default) of KV cache beside ~1 GB of its own; they share the model folder and vLLM's
+  compile cache.
 * CPU backend: N ``transformers serve`` processes (each ~1.8 GB of memory with the
   default ``--cb-*`` caps, :mod:`engine_server.cpu_backend`; docs/deploy.md, "The ``cpu``
   profile"); they share the converted model folder.
@@ -82,11 +85,11 @@ def plan_engines(
     python: str | None = None,
     nccl_port: int | None = None,
 ) -> list[EnginePlan]:
-    """Plan ``n`` engines of ``backend`` (``cpu`` or ``lightllm``) from ``base_port`` up.
+    """Plan ``n`` engines of ``backend`` (``vllm``, ``cpu`` or ``lightllm``) from ``base_port`` up.
 
     Args:
         n: how many (>= 1).
-        backend: ``cpu`` or ``lightllm`` (resolve ``auto`` first).
+        backend: ``vllm``, ``cpu`` or ``lightllm`` (resolve ``auto`` first).
         base_port: engine 0's HTTP port.
         host: their listen address.
         tp: LightLLM: GPUs per engine.
@@ -105,8 +108,8 @@ def plan_engines(
     """
     if n < 1 or tp < 1:
         raise ValueError(f"--engines and --tp must be at least 1 (got {n} and {tp})")
-    if backend not in ("cpu", "lightllm"):
-        raise ValueError(f"backend must be cpu or lightllm, got {backend!r}")
+    if backend not in ("vllm", "cpu", "lightllm"):
+        raise ValueError(f"backend must be vllm, cpu or lightllm, got {backend!r}")
     split = backend == "lightllm" and n > 1
     if split:
         gpus = visible_gpus() if gpus is None else gpus

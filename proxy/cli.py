@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--workers", type=int, default=1, help="processes serving the port (SO_REUSEPORT); more than 1 needs a shared_state section")
     px.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
 
-    en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, CPU engine otherwise)", add_help=False)
+    en = sub.add_parser("engine", help="run the bundled engine (LightLLM on a GPU, else vLLM, else transformers serve)", add_help=False)
     en.add_argument("args", nargs=argparse.REMAINDER)
 
     up = sub.add_parser("up", help="run the engine and the proxy together")
@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--engine-port", type=int, default=8001, help="the engine's port (engine i of --engines N: this + i)")
     up.add_argument("--engines", type=int, default=1, metavar="N", help="start N engines and a pool over them (default 1)")
     up.add_argument("--tp", type=int, default=1, help="lightllm: GPUs per engine (--engines N needs N*tp GPUs)")
-    up.add_argument("--backend", default="auto", choices=["auto", "cpu", "lightllm"])
+    up.add_argument("--backend", default="auto", choices=["auto", "vllm", "cpu", "lightllm"],
+                    help="the engine: auto (default: LightLLM on a GPU that has it, else vLLM, else transformers serve)")
     up.add_argument("--model", default=None, help="model folder for the engine")
     up.add_argument("--crash-limit", default=None, help="engine: give up after this many crashes in a row (default 5)")
     up.add_argument("--crash-window", default=None, help="engine: seconds ready before a crash no longer counts (default 60)")
