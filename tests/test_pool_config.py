@@ -63,7 +63,9 @@ def test_every_shipped_config_is_one_catch_all_pool_of_its_upstream(path):
     (engine,) = pool.engines
     assert engine.upstream == cfg.upstream  # the very section the relay already uses
     assert (engine.url, engine.kind) == (cfg.upstream.url, cfg.upstream.kind)
-    assert (engine.max_inflight, engine.max_inflight_tokens) == (cfg.admission.max_inflight, cfg.admission.max_inflight_tokens)
+    adm = cfg.admission
+    assert (engine.max_inflight, engine.max_inflight_tokens) == (adm.capacity.ceiling(adm.max_inflight), adm.max_inflight_tokens)
+    assert engine.control == adm.capacity.settings(adm.max_inflight)  # found by the proxy unless fixed
     assert engine.priority_field is None
 
 
