@@ -71,7 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -781,4 +781,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the engine and the proxy are stopped already
+        print("interrupted; engine and proxy stopped", file=sys.stderr)
+        sys.exit(130)
