@@ -129,6 +129,8 @@ class Pool:
         scheduler: its queue and admission.
         retired: removed by a reload; finishing what it holds.
         preemptions: requests preempted here since start.
+        hold_timer: fires when its scheduler's earliest slot hold ends
+            (:meth:`qos.Scheduler.next_hold_end`), so an unused held slot goes to the queue.
     """
 
     spec: PoolSpec
@@ -138,6 +140,7 @@ class Pool:
     preemptions: int = 0
     preempt_timer: asyncio.TimerHandle | None = None
     preempt_due: float | None = None
+    hold_timer: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
@@ -422,6 +425,7 @@ class Admission:
             if not sched.cancel(ticket) and ticket.state is TicketState.ADMITTED:
                 self._release_engine(ticket)
                 sched.release(ticket)
+                self._arm_hold(pool)
             self._sweep()
             raise
         finally:
@@ -481,6 +485,7 @@ class Admission:
         else:
             self._release_engine(ticket)
             done = pool.scheduler.release(ticket, prompt_tokens, output_tokens)
+            self._arm_hold(pool)
         if pool.retired:
             self._sweep()
         self._arm_forget()
@@ -551,9 +556,39 @@ class Admission:
         """Refuse everything queued (503) and every later request, in every pool."""
         for p in self.all_pools():
             p.scheduler.close()
+            if p.hold_timer is not None:
+                p.hold_timer.cancel()
+                p.hold_timer = None
         if self._forget_timer is not None:
             self._forget_timer.cancel()
             self._forget_timer = None
+
+    # ------------------------------------------------------------ slot holds
+
+    def _arm_hold(self, pool: Pool) -> None:
+        """Arm ``pool``'s hold timer for its scheduler's earliest slot hold's end
+        (``admission.hold_slot_s`` after the release that made it), unless one is armed:
+        holds are made only at a release, each lasting the same time, so a later one never
+        ends first (a reload that shortens ``hold_slot_s`` wakes it late by at most the old
+        time). When it fires the scheduler dispatches (an unused hold's slot goes to the
+        queue) and it re-arms for the next hold."""
+        if pool.hold_timer is not None:
+            return
+        due = pool.scheduler.next_hold_end()
+        if due is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the loop: armed at the next release
+            return
+        delay = max(0.0, due - self._clock()) + FORGET_SLACK_S
+        pool.hold_timer = loop.call_at(loop.time() + delay, self._hold_due, pool)
+
+    def _hold_due(self, pool: Pool) -> None:
+        pool.hold_timer = None
+        pool.scheduler.dispatch()
+        self._arm_hold(pool)
+        self._arm_preempt(pool)
 
     # ------------------------------------------------------------ preemption
 
@@ -691,7 +726,7 @@ class Admission:
 
 def _merge(snaps: list[dict], top_users: int) -> dict:
     """Several schedulers' snapshots as one (see :meth:`Admission.snapshot`)."""
-    out = {k: sum(s[k] for s in snaps) for k in ("inflight", "capacity", "inflight_tokens", "queued", "users_total", "users_forgotten")}
+    out = {k: sum(s[k] for s in snaps) for k in ("inflight", "capacity", "inflight_tokens", "queued", "users_total", "users_forgotten", "held_slots", "holds_taken", "holds_expired")}
     groups: dict[str, dict] = {}
     for s in snaps:
         for g in s["groups"]:

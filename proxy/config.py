@@ -206,7 +206,9 @@ class AdmissionConfig(_Model):
     ``max_users``: most users whose fair-share state is kept (users with requests queued
     or in flight always are); ``forget_users_after_s``: a user with nothing queued or in
     flight for this long is forgotten (it would be lifted to its class's virtual time
-    when it returns anyway).
+    when it returns anyway). ``hold_slot_s``: seconds a freed slot is kept for the most
+    owed user of its group with nothing waiting (a closed-loop client about to send its
+    next request); 0 turns it off (:mod:`qos.slot_holds`).
     """
 
     max_inflight: int | None = Field(default=None, ge=1)
@@ -217,6 +219,7 @@ class AdmissionConfig(_Model):
     share_window_s: PositiveFloat = 30.0
     max_users: int = Field(default=20000, ge=1)
     forget_users_after_s: PositiveFloat = 300.0
+    hold_slot_s: float = Field(default=0.05, ge=0, le=10)
     preemption: PreemptionConfig = PreemptionConfig()
 
     def starting_inflight(self) -> int:
@@ -459,6 +462,7 @@ class Config(_Model):
             share_window_s=self.admission.share_window_s,
             max_users=self.admission.max_users,
             forget_users_after_s=self.admission.forget_users_after_s,
+            hold_slot_s=self.admission.hold_slot_s,
         )
 
 

@@ -120,6 +120,7 @@ class FairQueue:
         self._zero_lane: dict[int, Ticket] = {}  # tickets of weight-0 users, arrival order
         self._tickets: dict[int, Ticket] = {}  # every waiting ticket, arrival order
         self._backlogged: dict[str, UserAccount] = {}
+        self._running: dict[str, UserAccount] = {}  # members with requests in flight
         self._unsorted = False  # tickets moved in out of arrival order (see push)
 
     def __len__(self) -> int:
@@ -152,6 +153,8 @@ class FairQueue:
         acct.group = self.name
         acct.counter = self.vtime + (0.0 if relative is None else relative)
         self.members[acct.user_id] = acct
+        if acct.inflight > 0:
+            self._running[acct.user_id] = acct
 
     def leave(self, acct: UserAccount) -> tuple[list[Ticket], float]:
         """Remove ``acct`` and its waiting tickets from this class. Returns the tickets
@@ -160,6 +163,7 @@ class FairQueue:
         for t in moved:
             self.remove(t, acct)
         self.members.pop(acct.user_id, None)
+        self._running.pop(acct.user_id, None)
         return moved, acct.counter - self.vtime
 
     # ---------------------------------------------------------------- the heap
@@ -284,10 +288,25 @@ class FairQueue:
         acct.speculative += speculative
         if acct.inflight == 0:
             acct.pending = acct.speculative = 0.0  # no float dust left once nothing is in flight
+            self._running.pop(acct.user_id, None)
+        elif acct.user_id in self.members:
+            self._running[acct.user_id] = acct
         if acct.user_id in self._backlogged:
             new = acct.key
             if abs(new - old) > _KEY_EPS * max(1.0, abs(old)):
                 self._push(acct, next(iter(acct.queue)))
+
+    def most_owed_absent(self, released: UserAccount) -> UserAccount | None:
+        """The member of positive weight with the smallest key among those with nothing
+        waiting that have requests in flight, or are ``released`` (a member whose
+        request just ended): the user a slot freed now is owed to when it ranks before
+        every user waiting (:mod:`qos.slot_holds`). ``None`` when there is none.
+        O(members with requests in flight)."""
+        best = released if released.weight > 0 and not released.queue and released.user_id in self.members else None
+        for acct in self._running.values():
+            if acct.weight > 0 and not acct.queue and (best is None or acct.key < best.key):
+                best = acct
+        return best
 
     def rebase(self, shift: float) -> None:
         """Subtract ``shift`` from the virtual time and every member's counter (relative

@@ -176,7 +176,8 @@ class SchedulerPolicy:
         hold_slot_s: seconds a freed slot is kept for the most owed user of its class
             that has nothing waiting but requests in flight or just ended (its next
             request takes it), when that user ranks before every user waiting; 0 turns
-            holds off (:mod:`qos.slot_holds`).
+            holds off (the default here; the proxy's ``admission.hold_slot_s`` is 0.05)
+            (:mod:`qos.slot_holds`).
 
     Raises:
         ValueError: from ``__post_init__`` when the policy is inconsistent.
@@ -193,7 +194,7 @@ class SchedulerPolicy:
     share_window_s: float = 30.0
     max_users: int = 20000
     forget_users_after_s: float = 300.0
-    hold_slot_s: float = 0.05
+    hold_slot_s: float = 0.0
     _group_by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

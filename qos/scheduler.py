@@ -54,6 +54,7 @@ from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
 from .policy import MAX_CHOICES, GroupPolicy, SchedulerPolicy, UserPolicy, clamp_count
 from .rate_limit import RateLimiter
+from .slot_holds import SlotHolds
 from .usage_model import UsageModel
 from .ticket import RefusalReason, Refused, Ticket, TicketState
 
@@ -121,6 +122,8 @@ class Scheduler:
         self._idle: OrderedDict[str, float] = OrderedDict()  # user -> clock when it went idle
         self._shares = GroupShares(policy.share_window_s, clock)  # for min_share
         self._usage = UsageModel()  # what each user's requests are expected to cost
+        self._holds = SlotHolds()  # freed slots kept for the user they are owed to (hold_slot_s)
+        self._rank: dict[str, int] = {}  # class -> priority index
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self.inflight: set[Ticket] = set()
         self._inflight_by_group: dict[str, int] = {}  # requests in flight per class (ticket.group)
@@ -138,6 +141,9 @@ class Scheduler:
         # (an empty FairQueue is falsy: test membership, or an idle class loses its vtime)
         self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
         self._order = [self._queues[g.name] for g in policy.groups]
+        self._rank = {g.name: i for i, g in enumerate(policy.groups)}
+        if policy.hold_slot_s <= 0:
+            self._holds.clear()
         self.capacity_model.configure(policy)
         if self._owns_limiter:
             self.rate_limiter.max_buckets = 2 * policy.max_users + 64
@@ -467,10 +473,15 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         cap = self.capacity_model
+        holds = self._holds
+        if holds:
+            holds.prune(self._clock())
         while self.queued and cap.inflight < cap.slots:
             for queue in self._candidates():
                 head = queue.peek(self._accounts)
                 assert head is not None
+                if holds and self._held_from(head[1]) >= cap.slots - cap.inflight:
+                    continue  # the free slots are kept for users who rank before it
                 if cap.reserve(head[0]):
                     self._admit(queue, *head)
                     break
@@ -491,6 +502,7 @@ class Scheduler:
         ticket.confirmed = 0.0
         ticket.pending = cost.input_weight * ticket.expected_prompt + cost.output_weight * ticket.expected_output
         acct.inflight += 1
+        self._holds.take(acct.user_id)  # a slot kept for it, if any, is the one it takes
         queue.charge(acct, 0.0, ticket.pending, ticket.pending if ticket.speculative else 0.0)
         ticket.share_charged = ticket.pending
         self._shares.add(ticket.group, ticket.pending)
@@ -598,8 +610,59 @@ class Scheduler:
         self._usage.learn(ticket.user_id, ticket.prompt_tokens, prompt, ticket.max_output_tokens, out)
         self.rate_limiter.settle(ticket.rate, prompt + out, now)
         self._maybe_idle(acct)
+        self._hold_freed_slot(acct, now)
         self._dispatch()
         return True
+
+    # ------------------------------------------------------------ slot holds
+
+    def _hold_freed_slot(self, released: UserAccount, now: float) -> None:
+        """Keep the slot a request of ``released`` just freed for ``policy.hold_slot_s``
+        for the most owed user of its class with nothing waiting (``released`` itself,
+        or one with requests in flight: :meth:`FairQueue.most_owed_absent`), when that
+        user ranks before every user of the class waiting. A closed-loop client has
+        nothing waiting at the instant its requests end, and on a batching engine its
+        requests end together: without the hold, its share of the slots goes to whoever
+        waits, for a whole request's time (:mod:`qos.slot_holds`)."""
+        hold_s = self.policy.hold_slot_s
+        queue = self._queues.get(released.group)
+        if hold_s <= 0 or self.closed or queue is None:
+            return
+        owed = queue.most_owed_absent(released)
+        if owed is None:
+            return
+        head = queue.peek(self._accounts)
+        if head is not None and (head[1].weight > 0 and head[1].key <= owed.key):
+            return  # a user waiting ranks first: the slot is its
+        self._holds.hold(owed.user_id, now + hold_s)
+
+    def _held_from(self, acct: UserAccount) -> int:
+        """Slots kept for users who rank before ``acct`` (a head about to be served):
+        holds of users of a higher class, and of users of its class with a smaller key
+        (every holder ranks before a weight-0 user). O(holders)."""
+        rank = self._rank.get(acct.group, len(self._rank))
+        n = 0
+        for uid, count in self._holds.holders():
+            if uid == acct.user_id:
+                continue
+            holder = self._accounts.get(uid)
+            if holder is None:
+                continue
+            r = self._rank.get(holder.group, len(self._rank))
+            if r < rank or (r == rank and (acct.weight <= 0 or holder.key < acct.key)):
+                n += count
+        return n
+
+    def next_hold_end(self) -> float | None:
+        """Clock reading at which the earliest slot hold ends (then :meth:`dispatch`
+        gives its slot to the queue if its user has not taken it), or ``None`` when no
+        slot is held. For the caller's timer; O(1)."""
+        return self._holds.next_end()
+
+    @property
+    def held_slots(self) -> int:
+        """Slots kept now for a user's next request (``policy.hold_slot_s``)."""
+        return len(self._holds)
 
     # -------------------------------------------------------------- preemption
 
@@ -889,8 +952,9 @@ class Scheduler:
         """A JSON-ready view for status pages: per class depth, in flight, virtual time,
         recent service (token units, decayed with time constant ``share_window_s``) and
         the summed weight of its active users (served lately, waiting or in flight); the
-        ``top_users`` users by recent service, and how many users are tracked in all.
-        O(users tracked)."""
+        ``top_users`` users by recent service, and how many users are tracked in all;
+        the slots held for a user's next request now, and the holds taken by it or
+        expired unused since start (``hold_slot_s``). O(users tracked)."""
         now = self._clock()
         window = self.policy.share_window_s
         inflight_by_group: dict[str, int] = {}
@@ -930,6 +994,9 @@ class Scheduler:
             ],
             "users_total": len(self._accounts),
             "users_forgotten": self.users_forgotten,
+            "held_slots": len(self._holds),
+            "holds_taken": self._holds.taken,
+            "holds_expired": self._holds.expired,
             "users": [
                 {
                     "user": a.user_id,
