@@ -29,6 +29,13 @@ in that order (a class under its floor first of all, the others by priority), if
 ranks below the newcomer's: a class under its floor is never evicted, and its own
 newcomers may evict from higher classes that are not under theirs.
 
+Preemption (:meth:`Scheduler.preempt`, driven by the caller's timer at
+:meth:`Scheduler.preempt_at`): a head that has waited a bound and does not fit may take
+the room of one request in flight of a lower class that has shown its client nothing
+(:attr:`Ticket.shown`), the lowest class's newest first, at most a bound of times per
+request; that request goes back to the head of its queue with every charge refunded
+(:meth:`Scheduler.requeue`).
+
 A head that does not fit the capacity waits for room and holds back the classes *below*
 its own (so priority is never inverted), never those above it: a ``min_share`` class
 whose head does not fit lets a higher class's head go if that one fits. A request whose
