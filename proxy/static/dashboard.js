@@ -147,7 +147,10 @@
           ]),
           cell("kind", e.kind),
           cell("inflight", bar(used, null, `${num(e.inflight)} / ${num(e.capacity)}`), "share"),
-          cell("max_inflight", num(e.max_inflight), "num"),
+          cell("capacity_found", [
+            el("span", {}, num(e.capacity_found)),
+            el("div", { class: "muted small" }, `${e.capacity_reason || dash}${e.capacity_mode === "fixed" ? "" : ` · ≤ ${num(e.max_inflight)}`}`),
+          ], "num"),
           cell("inflight_tokens", num(e.inflight_tokens), "num"),
           cell("load", bar(e.load, null, e.load === null ? "unknown" : pct(e.load), e.saturated), "share"),
           cell("waiting", num(e.waiting), "num"),
