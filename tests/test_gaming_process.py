@@ -379,7 +379,8 @@ async def test_a_reload_removing_a_user_gives_it_the_default_group_at_once_waiti
     config: they go to the default group ``bottom`` at once, so ``bob`` (``top``), who
     arrives after the reload, goes before all of them (with the old rule a removed user
     kept its old group for as long as it had requests waiting)."""
-    cfg = lambda url: _tiers(url, ["vip", "bob"], ["carl"])  # noqa: E731
+    off = {"enabled": False}  # the order of dispatch alone: the warm request is not preempted
+    cfg = lambda url: _tiers(url, ["vip", "bob"], ["carl"], preemption=off)  # noqa: E731
     with open_stack(cfg) as st:
         async with aiohttp.ClientSession() as http:
             warm = await hold_slots(http, st, n=1, user="carl")
@@ -387,7 +388,7 @@ async def test_a_reload_removing_a_user_gives_it_the_default_group_at_once_waiti
             await until("vip queued", lambda: _depths_are(http, st, top=3))
             carl = asyncio.create_task(post(http, st.url, "carl", body("carl", 4)))
             await until("carl queued", lambda: _depths_are(http, st, top=3, bottom=1))
-            await st.reload(http, _tiers(st.upstream_url, ["bob"], ["carl"]))
+            await st.reload(http, _tiers(st.upstream_url, ["bob"], ["carl"], preemption=off))
             assert await group_depths(http, st) == {"top": 0, "bottom": 4}
             bob = asyncio.create_task(post(http, st.url, "bob", body("bob", 4)))
             await until("bob queued", lambda: _depths_are(http, st, top=1, bottom=4))

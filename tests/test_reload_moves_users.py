@@ -14,7 +14,7 @@ ADMIN = {"Authorization": "Bearer sk-admin"}
 
 
 async def test_a_removed_user_takes_the_default_group_at_once_waiting_requests_included(make_stack, http):
-    st = await make_stack(max_inflight=1)
+    st = await make_stack(max_inflight=1, preemption={"enabled": False})  # the order of dispatch alone
     sched = st.state.admission.scheduler
     url = st.proxy_url + "/v1/chat/completions"
     busy = asyncio.create_task(http.post(url, json=st.chat_body(3, itl_s=0.3, tag="busy"), headers={"X-User-Id": "carl"}))
