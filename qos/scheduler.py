@@ -624,24 +624,28 @@ class Scheduler:
     # ------------------------------------------------------------ slot holds
 
     def _hold_freed_slot(self, released: UserAccount, now: float) -> None:
-        """Keep the slot a request of ``released`` just freed for ``policy.hold_slot_s``
-        for the most owed user of its class with nothing waiting (``released`` itself,
-        or one with requests in flight: :meth:`FairQueue.most_owed_absent`), when that
-        user ranks before every user of the class waiting. A closed-loop client has
-        nothing waiting at the instant its requests end, and on a batching engine its
-        requests end together: without the hold, its share of the slots goes to whoever
-        waits, for a whole request's time (:mod:`qos.slot_holds`)."""
+        """Keep the slot a request of ``released`` just freed for ``policy.hold_slot_s``:
+        for ``released`` itself when it has nothing waiting and no user of its class
+        waits; when users of its class wait, for the most owed user of the class with
+        nothing waiting (``released``, or one with requests in flight ending, maybe, in
+        the same engine step: :meth:`FairQueue.most_owed_absent`) if it ranks before
+        every one of them. A closed-loop client has nothing waiting at the instant its
+        requests end, and on a batching engine requests started together end together:
+        without the hold, its share of the slots goes to whoever waits or comes first,
+        for a whole request's time (:mod:`qos.slot_holds`)."""
         hold_s = self.policy.hold_slot_s
         queue = self._queues.get(released.group)
         if hold_s <= 0 or self.closed or queue is None:
             return
-        owed = queue.most_owed_absent(released)
-        if owed is None:
-            return
         head = queue.peek(self._accounts)
-        if head is not None and (head[1].weight > 0 and head[1].key <= owed.key):
-            return  # a user waiting ranks first: the slot is its
-        self._holds.hold(owed.user_id, now + hold_s)
+        if head is None:
+            owed = released if released.weight > 0 and not released.queue else None
+        else:
+            owed = queue.most_owed_absent(released)
+            if owed is not None and head[1].weight > 0 and head[1].key <= owed.key:
+                return  # a user waiting ranks first: the slot is its
+        if owed is not None:
+            self._holds.hold(owed.user_id, now + hold_s)
 
     def _held_from(self, acct: UserAccount) -> int:
         """Slots kept for users who rank before ``acct`` (a head about to be served):

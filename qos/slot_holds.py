@@ -28,8 +28,9 @@ from typing import Iterator
 
 class SlotHolds:
     """Slots kept, one per hold, each for one user until its end (clock seconds) or
-    until :meth:`take` consumes it. Sizes: at most one hold per released request, so
-    at most the slots in all; operations O(log holds), :meth:`holders` O(holders)."""
+    until :meth:`take` consumes it. Size: at most one hold per request released, so at
+    most the requests released within one hold's time; operations O(log holds),
+    :meth:`holders` O(holders)."""
 
     __slots__ = ("_heap", "_live", "_skip", "_seq", "total", "taken", "expired")
 
