@@ -206,9 +206,9 @@ class AdmissionConfig(_Model):
     ``max_users``: most users whose fair-share state is kept (users with requests queued
     or in flight always are); ``forget_users_after_s``: a user with nothing queued or in
     flight for this long is forgotten (it would be lifted to its class's virtual time
-    when it returns anyway). ``hold_slot_s``: seconds a freed slot is kept for the most
-    owed user of its group with nothing waiting (a closed-loop client about to send its
-    next request); 0 turns it off (:mod:`qos.slot_holds`).
+    when it returns anyway). ``hold_slot_s``: seconds a freed slot is kept for the user
+    it is owed to that has nothing waiting (a closed-loop client about to send its next
+    request); 0 turns it off (:mod:`qos.slot_holds`).
     """
 
     max_inflight: int | None = Field(default=None, ge=1)

@@ -173,11 +173,12 @@ class SchedulerPolicy:
         forget_users_after_s: a user with nothing queued or in flight for this long
             (seconds) is forgotten; its counter would be lifted to the class's virtual
             time anyway when it returns.
-        hold_slot_s: seconds a freed slot is kept for the most owed user of its class
-            that has nothing waiting but requests in flight or just ended (its next
-            request takes it), when that user ranks before every user waiting; 0 turns
-            holds off (the default here; the proxy's ``admission.hold_slot_s`` is 0.05)
-            (:mod:`qos.slot_holds`).
+        hold_slot_s: seconds a freed slot is kept for its user's next request (that
+            user with nothing waiting, nobody of its class waiting), or, when users of
+            its class wait, for the most owed user of the class with nothing waiting if
+            it ranks before them (:meth:`qos.Scheduler.release`); 0 turns holds off
+            (the default here; the proxy's ``admission.hold_slot_s`` is 0.05;
+            :mod:`qos.slot_holds`).
 
     Raises:
         ValueError: from ``__post_init__`` when the policy is inconsistent.
