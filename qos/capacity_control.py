@@ -34,7 +34,10 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
 3. **Demand presses on the limit** (requests wait in the proxy for this engine, or at
    least half the limit is in flight) and neither signal above fires: additive increase,
    ``limit <- min(ceiling, limit + max(1, sqrt(limit)))`` (Gradient2's queue allowance of
-   ``sqrt(limit)``): from 16 to 128 in about a dozen steps.
+   ``sqrt(limit)``): from 16 to 128 in about a dozen steps; within ``probe_after_s`` of
+   the engine last saying it was full, by 1 per step (TCP's congestion avoidance after
+   slow start), so the limit stays just under the engine's batch instead of overshooting
+   it by a growth step each time.
 4. Otherwise the limit holds.
 
 The baseline per-token time is the smallest median seen, drifting up towards newer ones by
@@ -80,6 +83,9 @@ class ControlSettings:
         min_streams: streams a per-token median needs before it counts (>= 1).
         slow_steps: steps in a row beyond the bound before latency lowers the limit (a
             moment's jitter of a loaded host is not a slower engine).
+        probe_after_s: for this long after the engine last said it was full, growth is
+            one request per step instead of sqrt(limit) (TCP's congestion avoidance after
+            slow start): the limit stays close under the engine's batch.
         baseline_drift: per step, the fraction of the gap by which the baseline moves up
             towards a larger median (0..1).
     """
@@ -92,6 +98,7 @@ class ControlSettings:
     latency_floor_fraction: float = 0.5
     min_streams: int = 4
     slow_steps: int = 3
+    probe_after_s: float = 30.0
     baseline_drift: float = 0.00005
 
     def __post_init__(self) -> None:
@@ -168,7 +175,8 @@ class CapacityController:
     decreases: dict[str, int] = field(default_factory=dict)
     adaptive: bool = True
     _slow_run: int = field(default=0, repr=False)
-    _reference: float = field(default=0.0, repr=False)  # the limit when tokens were last within the bound
+    _reference: float = field(default=0.0, repr=False)
+    _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full  # the limit when tokens were last within the bound
 
     def __post_init__(self) -> None:
         if self.limit <= 0:
@@ -195,8 +203,10 @@ class CapacityController:
         if obs.queue_at > 0 and waiting is not None and waiting >= obs.queue_at:
             running = obs.engine_running if obs.engine_running is not None else obs.inflight - waiting
             self._lower(min(self.limit * s.backoff, running), REASON_ENGINE_QUEUE, s.floor)
+            self._full_at = obs.now
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
             self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
+            self._full_at = obs.now
         elif (slow := self._slow(obs)) >= s.slow_steps:
             self._lower(self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference))
         elif slow:
@@ -205,7 +215,9 @@ class CapacityController:
             if self.limit >= s.ceiling:
                 self.limit, self.reason = float(s.ceiling), REASON_CEILING
             else:
-                self.limit = min(float(s.ceiling), self.limit + max(1.0, math.sqrt(self.limit)))
+                recent = obs.now - self._full_at < s.probe_after_s
+                step = 1.0 if recent else max(1.0, math.sqrt(self.limit))
+                self.limit = min(float(s.ceiling), self.limit + step)
                 self.reason = REASON_GROWING
         else:
             self.reason = REASON_STEADY
