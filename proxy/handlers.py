@@ -254,8 +254,11 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                 assemble = plan.assemble or (event_stream and not parsed.stream and kind.name in ASSEMBLED_KINDS)
                 if (parsed.stream or event_stream) and upstream.status == 200 and not is_json and not assemble:
                     progress = (lambda n: admission.record_output(ticket, n)) if ticket is not None else _no_progress
-                    if ticket is not None:
-                        ticket.shown = True  # its headers go to the client now: never preempted
+                    # with preemption on, its headers wait for its first event: until then
+                    # its client has seen nothing and it may be preempted
+                    held = ticket is not None and admission.preemption.enabled
+                    if ticket is not None and not held:
+                        ticket.shown = True
                     return await relay_stream(
                         request,
                         upstream,
@@ -266,6 +269,7 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
                         choices=choices_of(parsed.fields),
                         strip_usage=plan.strip_usage,
                         base_url=engine.url,
+                        on_show=(lambda: _shown(ticket)) if held else None,
                     )
                 try:
                     if upstream.status == 417 and (native or engine.kind == "lightllm"):  # LightLLM's validation errors, any route
@@ -461,6 +465,12 @@ def _message_of(body: bytes) -> str:
             if isinstance(msg, str):
                 return msg
     return body[:500].decode("utf-8", "replace") or "the upstream rejected the request"
+
+
+def _shown(ticket) -> None:
+    """The client is sent the first byte of ``ticket``'s answer: it is never preempted
+    after this (:mod:`proxy.admission`)."""
+    ticket.shown = True
 
 
 def _restart(ex: Exchange, preemptions: int) -> None:

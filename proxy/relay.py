@@ -218,6 +218,7 @@ async def relay_stream(
     choices: int = 1,
     strip_usage: bool = False,
     base_url: str | None = None,
+    on_show: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Relay an SSE answer chunk by chunk, with the upstream's status and headers.
 
@@ -236,6 +237,11 @@ async def relay_stream(
             ``finish_reason`` for a stream without ``[DONE]`` to count as finished.
         strip_usage: remove the usage the proxy asked for and the client did not.
         base_url: the engine's base URL (:func:`proxy.relay_headers.client_headers`).
+        on_show: given, the status line and headers wait for the answer's first bytes
+            (the engine sends its headers at once, before its first token), and
+            ``on_show()`` is called right before they go to the client: until then the
+            client has been shown nothing (a request still waiting inside the engine
+            may be preempted, :mod:`proxy.admission`). ``None``: headers at once.
 
     Returns:
         The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (an in-band
@@ -263,11 +269,20 @@ async def relay_stream(
         resp.content_length = length  # bytes relayed as they are: a download keeps its length
     stripper = UsageStripper() if strip_usage else None
     watchdog = _WriteWatchdog(loop, write_timeout_s)
-    try:
+
+    async def show() -> None:
+        if resp.prepared:
+            return
+        if on_show is not None:
+            on_show()
         watchdog.pending_since = loop.time()  # the headers are the first write
         await resp.prepare(request)  # a client gone by now is a reset here: handled below
         watchdog.pending_since = None
         ex.status = upstream.status
+
+    try:
+        if on_show is None:
+            await show()
         broke: Exception | None = None
         try:
             async for chunk in upstream.content.iter_any():
@@ -275,6 +290,7 @@ async def relay_stream(
                     ex.first_byte_at = loop.time()
                 out = chunk if stripper is None else stripper.feed(chunk)
                 if out:
+                    await show()
                     watchdog.pending_since = loop.time()
                     await resp.write(out)  # waits while the client's socket is full
                     watchdog.pending_since = None
@@ -333,6 +349,7 @@ async def relay_stream(
             if request.transport is not None:
                 request.transport.abort()
             return resp
+        await show()
         watchdog.pending_since = loop.time()
         if ending:
             await resp.write(ending)

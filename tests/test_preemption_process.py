@@ -9,10 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from pathlib import Path
 
 import aiohttp
+import yaml
 
 from tests.conftest import wait_until
+from tests.proc_util import free_port
+from tests.proxy_process import start_proxy, stop_proxy
+from tests.scripted_upstream import ScriptedUpstream, chat_chunk, stream
 
 AFTER_S = 0.2
 
@@ -128,3 +134,53 @@ async def test_disabled_preemption_leaves_strict_priority_alone(make_stack, http
     high = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(1, tag="high"), Authorization="Bearer sk-alice"))
     assert (await asyncio.wait_for(low, 5))[0] == 200 and (await asyncio.wait_for(high, 5))[0] == 200
     assert st.stats.tags == ["low", "high"] and st.stats.aborted == 0
+
+
+# ------------------------------------------- a stream that has shown nothing yet
+
+
+def _scripted_proxy(up, folder: Path):
+    cfg = {
+        "upstream": {"url": up.url, "kind": "openai", "load_signal": {"enabled": False}},
+        "admission": {"max_inflight": 1, "queue_timeout_s": 30, "preemption": {"after_s": AFTER_S}},
+        "identity": {"header": "X-User-Id"},
+        "default_group": "bronze",
+        "groups": [{"name": "platinum", "users": [{"id": "alice"}]}, {"name": "bronze"}],
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = start_proxy(path, port)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def test_a_stream_before_its_first_token_is_preempted_and_its_client_sees_one_answer(tmp_path):
+    """The engine sends a stream's headers at once and its first event only when the
+    first token is out (vLLM does): the proxy holds the headers back until that event,
+    so a bronze stream still waiting for its first token has shown its client nothing,
+    and is preempted for a platinum request like a non-streaming one. Its client gets one
+    200 stream with the whole answer, from the second attempt."""
+    events = [chat_chunk("Hello"), chat_chunk(" there", finish="stop"), b"data: [DONE]\n\n"]
+    with ScriptedUpstream() as up:
+        up.on("low", stream([2.0, *events]))  # 2 s before the first token
+        up.on("high", stream(events))
+        proc, url = _scripted_proxy(up, tmp_path)
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def chat(model: str, user: str) -> tuple[int, bytes, float]:
+                    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                    async with http.post(url + "/v1/chat/completions", json=body, headers={"X-User-Id": user}) as r:
+                        return r.status, await r.read(), time.monotonic()
+
+                low = asyncio.create_task(chat("low", "carl"))
+                await wait_until(lambda: len(up.seen_for("low")) == 1, what="the bronze stream sent to the engine")
+                status, raw, high_done = await asyncio.wait_for(chat("high", "alice"), 10)
+                assert status == 200 and raw.count(b"data: ") == 3
+                status, raw, low_done = await asyncio.wait_for(low, 20)
+        finally:
+            stop_proxy(proc)
+    assert status == 200 and raw.startswith(b"data: ") and raw.count(b"data: [DONE]") == 1
+    assert b"Hello" in raw and raw.count(b"Hello") == 1  # one answer: the second attempt's
+    assert len(up.seen_for("low")) == 2  # sent again after its preemption
+    assert high_done < low_done
