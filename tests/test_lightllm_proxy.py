@@ -354,8 +354,9 @@ async def test_client_leaving_a_non_streaming_generate_aborts_lightllm(proxy, wi
 
 async def test_client_leaving_while_queued_inside_lightllm_aborts_it(proxy, wire):
     """LightLLM's own queue: the engine's KV budget is taken by two requests sent to it
-    directly; the proxied one waits inside LightLLM (headers already sent) and is dropped
-    at LightLLM's next connection check once the client leaves."""
+    directly; the proxied one waits inside LightLLM (LightLLM has sent its headers; the
+    proxy holds them back until the first event) and is dropped at LightLLM's next
+    connection check once the client leaves."""
     fill = {"inputs": "a", "parameters": {"max_new_tokens": 2990}, "wire": {"ttft_s": 30}}
     async with aiohttp.ClientSession() as direct, aiohttp.ClientSession() as client:
         hogs = [asyncio.create_task(direct.post(wire.url + "/generate", json=fill)) for _ in range(2)]
