@@ -632,8 +632,8 @@ class Admission:
     def _preempt_due(self, pool: Pool) -> None:
         pool.preempt_timer = pool.preempt_due = None
         cfg = self.preemption
-        if not cfg.enabled:
-            return
+        if not cfg.enabled or pool.retired:
+            return  # a retired pool only finishes what it holds
         engines = {}
         for t in pool.scheduler.inflight:
             engines[t] = t.placement
