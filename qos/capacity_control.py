@@ -12,12 +12,15 @@ The rule (AIMD with a latency gradient, after Netflix's ``concurrency-limits``
 latency of an empty pipe: Brakmo & Peterson, "TCP Vegas: End to End Congestion Avoidance
 on a Global Internet", IEEE JSAC 13(8), 1995):
 
-1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``)
-   **or its KV cache is full** (at or above ``saturated_at``): multiplicative decrease,
-   and at once no more than what it runs,
-   ``limit <- max(floor, min(limit * backoff, running))``: for a queue, ``running`` is what
-   the engine reports it runs (every client's, so replicas sharing it find the engine's
-   whole capacity), else our in flight less what waits; for a full KV cache, our in flight. Nothing new is dispatched until requests end, so the queue stays in
+1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``
+   in two reports in a row: a request that arrived during the engine's step waits for
+   the next one, so one report alone is no queue) **or its KV cache is full** (at or above
+   ``saturated_at``): multiplicative decrease, and at once no more than what it runs,
+   ``limit <- max(floor, min(limit * backoff, running))``. For a queue, ``running`` is the
+   larger of what the two reports say the engine runs (every client's, so replicas
+   sharing it find the engine's whole capacity; our in flight less what waits when it does
+   not say), and one step takes at most half the limit (:data:`MAX_CUT`, TCP's halving);
+   for a full KV cache, our in flight. Nothing new is dispatched until requests end, so the queue stays in
    the proxy, ordered by priority and fair share, not in the engine's FIFO; with
    ``floor`` >= 1 one request still goes when none of ours runs there, so an engine kept
    busy by someone else cannot stall the proxy's queue for good.
@@ -57,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_CUT = 0.5  # one step of the engine-queue rule takes at most half the limit (TCP halves on loss)
 REASON_START = "start"
 REASON_ENGINE_QUEUE = "engine_queue"
 REASON_KV_CACHE = "kv_cache"
@@ -176,7 +180,8 @@ class CapacityController:
     adaptive: bool = True
     _slow_run: int = field(default=0, repr=False)
     _reference: float = field(default=0.0, repr=False)
-    _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full  # the limit when tokens were last within the bound
+    _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full
+    _last_queue: float | None = field(default=None, repr=False)  # running, at the last report that showed a queue  # the limit when tokens were last within the bound
 
     def __post_init__(self) -> None:
         if self.limit <= 0:
@@ -199,11 +204,12 @@ class CapacityController:
         self._learn(obs)
         if not self.adaptive:
             return self.value
-        waiting = obs.engine_waiting
-        if obs.queue_at > 0 and waiting is not None and waiting >= obs.queue_at:
-            running = obs.engine_running if obs.engine_running is not None else obs.inflight - waiting
-            self._lower(min(self.limit * s.backoff, running), REASON_ENGINE_QUEUE, s.floor)
+        if (running := self._queued(obs)) is not None:
+            target = max(running, self.limit * MAX_CUT)
+            self._lower(min(self.limit * s.backoff, target), REASON_ENGINE_QUEUE, s.floor)
             self._full_at = obs.now
+        elif self._last_queue is not None:
+            self.reason = REASON_ENGINE_QUEUE  # one report of a queue: no growth, no cut yet
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
             self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
             self._full_at = obs.now
@@ -232,6 +238,25 @@ class CapacityController:
         if new < self.limit:
             self.decreases[reason] = self.decreases.get(reason, 0) + 1
         self.limit, self.reason = new, reason
+
+    def _queued(self, obs: Observation) -> float | None:
+        """What the engine runs (requests), when it queues: a fresh report of ``waiting``
+        at or above ``queue_at`` in this step *and* in the last step that had a report (a
+        request that arrived during the engine's step waits until the next one, so one
+        reading alone is no queue), else ``None``. What it runs is the larger of the two
+        reports' ``running`` (requests ending between steps make one reading low), or our
+        in flight less what waits when the engine does not say."""
+        waiting = obs.engine_waiting
+        if waiting is None:
+            return None  # no fresh report: the last one stands for the next
+        if obs.engine_running is not None:
+            running = float(obs.engine_running)
+        else:
+            running = float(max(0, obs.inflight - waiting))
+        last, self._last_queue = self._last_queue, (running if obs.queue_at > 0 and waiting >= obs.queue_at else None)
+        if self._last_queue is None or last is None:
+            return None
+        return max(running, last)
 
     def _slow(self, obs: Observation) -> int:
         """Steps in a row (this one included) whose median per-token time was beyond the

@@ -53,12 +53,36 @@ def test_grows_under_demand_to_the_ceiling_and_holds_without_it():
 def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
     c = CapacityController(ControlSettings(initial=100, ceiling=200))
     c.step(obs(1, inflight=100, demand=True, engine_waiting=12))
+    assert c.value == 100  # one report of a queue: maybe a request that arrived mid-step
+    c.step(obs(1.5, inflight=100, demand=True, engine_waiting=12))
     assert c.value == 88 and c.reason == REASON_ENGINE_QUEUE  # what the engine really runs
     c.step(obs(2, inflight=88, demand=True, engine_waiting=1))
     assert c.value == 79  # 88 * 0.9
-    c.step(obs(3, inflight=40, demand=True, engine_waiting=45))  # someone else fills it
-    assert c.value == 1  # the floor: one request still goes when none of ours runs
-    assert c.decreases[REASON_ENGINE_QUEUE] == 3
+    c.step(obs(2.5, inflight=88, demand=True, engine_waiting=0))  # gone: the next queue needs two reports again
+    c.step(obs(3, inflight=40, demand=True, engine_waiting=45, engine_running=2))  # someone else fills it
+    c.step(obs(3.5, inflight=40, demand=True, engine_waiting=45, engine_running=2))
+    assert c.value == 40  # at most half per step
+    for i in range(10):
+        c.step(obs(4 + i, inflight=40, demand=True, engine_waiting=45, engine_running=2))
+    assert c.value <= 2  # what the engine runs, and less while it stays full
+    assert c.decreases[REASON_ENGINE_QUEUE] == 13
+
+
+def test_a_request_arriving_mid_step_is_no_queue():
+    """vLLM counts a request that arrived during its step as waiting until the next step:
+    readings of waiting 1 and 0 alternating are arrivals, not a full batch."""
+    c = CapacityController(ControlSettings(initial=50, ceiling=50))
+    for i in range(20):
+        c.step(obs(i, inflight=50, demand=True, engine_waiting=i % 2, engine_running=50 - i % 2))
+    assert c.value == 50
+
+
+def test_reports_that_stop_do_not_break_a_run_of_queue_reports():
+    c = CapacityController(ControlSettings(initial=20, ceiling=20))
+    c.step(obs(0, inflight=20, demand=True, engine_waiting=5, engine_running=15))
+    c.step(obs(1, inflight=20, demand=True))  # no fresh report this step
+    c.step(obs(2, inflight=20, demand=True, engine_waiting=5, engine_running=15))
+    assert c.value == 15
 
 
 def test_queue_at_zero_ignores_the_waiting_count():
@@ -67,7 +91,7 @@ def test_queue_at_zero_ignores_the_waiting_count():
     assert c.value == 10
 
 
-def test_a_full_kv_cache_holds_at_what_runs():
+def test_a_full_kv_cache_holds_at_what_runs_at_once():
     c = CapacityController(ControlSettings(initial=64, ceiling=64))
     c.step(obs(1, inflight=20, demand=True, kv_usage=0.97, saturated_at=0.95))
     assert c.value == 20 and c.reason == REASON_KV_CACHE
@@ -111,6 +135,7 @@ def test_latency_alone_never_takes_more_than_half_the_capacity_found():
     assert c.value == 60
     # the engine's own queue is not bounded that way: it is the engine saying it is full
     c.step(obs(101, inflight=60, demand=True, engine_waiting=30))
+    c.step(obs(102, inflight=60, demand=True, engine_waiting=30))
     assert c.value == 30
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from tests.proc_util import free_port
 from tests.proxy_process import start_proxy, stop_proxy
-from tests.vllm_engine import require_vllm, start_vllm_engine, stop_vllm_engine
+from tests.vllm_engine import FIXTURE_ENGINE_ARGS, require_vllm, start_vllm_engine, stop_vllm_engine
 
 BATCH = 8  # the engine's --max-num-seqs
 ADMIN = "admin-key-capacity"
@@ -32,7 +32,7 @@ ADMIN = "admin-key-capacity"
 @pytest.fixture(scope="module")
 def small_vllm():
     require_vllm()
-    engine = start_vllm_engine(free_port(), extra_args=["--", "--max-num-seqs", str(BATCH)])
+    engine = start_vllm_engine(free_port(), extra_args=[*FIXTURE_ENGINE_ARGS, "--max-num-seqs", str(BATCH)])
     try:
         yield engine
     finally:

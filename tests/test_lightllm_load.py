@@ -419,18 +419,10 @@ def proxied_dp(lightllm_dp, tmp_path_factory):
     assert stop_proxy(proc) == 0
 
 
-async def test_data_parallel_token_load_saturates_only_when_every_rank_is_full(proxied_dp, lightllm_dp):
-    lightllm_dp.set_token_load({"current_load": [0.99, 0.1], "logical_max_load": [0.99, 0.1], "dynamic_max_load": [0.99, 0.1]})
-    await until_gauge(proxied_dp, "llm_qos_upstream_load", 0.1)  # one rank has room: the engine takes work
-    assert await gauge(proxied_dp, "llm_qos_upstream_saturated") == 0.0
-    lightllm_dp.set_token_load({"current_load": [0.99, 0.9], "logical_max_load": [0.99, 0.95], "dynamic_max_load": [0.99, 0.95]})
-    await until_gauge(proxied_dp, "llm_qos_upstream_saturated", 1.0)
-    assert await gauge(proxied_dp, "llm_qos_upstream_load") == 0.95
-    lightllm_dp.set_token_load(None)
-
-
 async def test_data_parallel_real_load_keeps_lightllm_own_queue_empty(proxied_dp, lightllm_dp):
-    """Eight requests fill 82% of both ranks' KV budgets; the next three wait in the proxy."""
+    """Eight requests fill 82% of both ranks' KV budgets; the next three wait in the proxy.
+    (Before the saturation test of the same proxy: a report of a full cache leaves the
+    capacity growing one request per step for a while, TCP's congestion avoidance.)"""
     lightllm_dp.set_token_load(None)
     lightllm_dp.reset()
     await until_gauge(proxied_dp, "llm_qos_upstream_load", 0.0)
@@ -446,3 +438,13 @@ async def test_data_parallel_real_load_keeps_lightllm_own_queue_empty(proxied_dp
             assert r.status == 200
             await r.read()
     assert lightllm_dp.stats.completed == 11 and lightllm_dp.stats.had_to_wait == 0
+
+
+async def test_data_parallel_token_load_saturates_only_when_every_rank_is_full(proxied_dp, lightllm_dp):
+    lightllm_dp.set_token_load({"current_load": [0.99, 0.1], "logical_max_load": [0.99, 0.1], "dynamic_max_load": [0.99, 0.1]})
+    await until_gauge(proxied_dp, "llm_qos_upstream_load", 0.1)  # one rank has room: the engine takes work
+    assert await gauge(proxied_dp, "llm_qos_upstream_saturated") == 0.0
+    lightllm_dp.set_token_load({"current_load": [0.99, 0.9], "logical_max_load": [0.99, 0.95], "dynamic_max_load": [0.99, 0.95]})
+    await until_gauge(proxied_dp, "llm_qos_upstream_saturated", 1.0)
+    assert await gauge(proxied_dp, "llm_qos_upstream_load") == 0.95
+    lightllm_dp.set_token_load(None)
