@@ -23,13 +23,13 @@ $(VENV)/.installed: pyproject.toml
 
 # vLLM's environment (docs/deploy.md, "The vllm backend"): torch first (the CPU build), then
 # vLLM; it pulls torchvision/torchaudio/torchcodec, whose native ops do not load against the
-# CPU torch and which text models never use. When vLLM cannot be installed here, the stamp
+# CPU torch and which text models never use: removed with the CPU build (VLLM_TORCH set). When vLLM cannot be installed here, the stamp
 # says so and `llm-qos engine` runs transformers serve instead (backend auto).
 $(VLLM_VENV)/.installed:
 	@if { $(PYTHON) -m venv $(VLLM_VENV) \
 	      && { [ -z "$(VLLM_TORCH)" ] || $(VLLM_VENV)/bin/pip install $(VLLM_TORCH); } \
 	      && $(VLLM_VENV)/bin/pip install $(VLLM_SPEC) \
-	      && $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; }; then \
+	      && { [ -z "$(VLLM_TORCH)" ] || $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; }; }; then \
 	    echo "$(VLLM_SPEC)" > $@; \
 	else \
 	    echo "make: vLLM could not be installed into $(VLLM_VENV); llm-qos engine will run transformers serve" >&2; \
