@@ -50,7 +50,7 @@ from .supervisor import RestartPolicy, Supervisor
 log = logging.getLogger("engine_server")
 
 EXIT_USAGE = 2
-#: vLLM compiles the model at every start (~2 min on 2 idle cores, 13.5 min measured on busy ones).
+#: vLLM's first start compiles the model (~2 min on 2 idle cores, 13.5 min measured on busy ones).
 DEFAULT_READY_TIMEOUT_S = {"cpu": 180.0, "vllm": 1800.0, "lightllm": 1800.0}
 
 

