@@ -8,9 +8,11 @@ when it ends. Read once per control step with :meth:`sample`:
 
 * **time to first token** (TTFT): from dispatch (the ticket's ``admitted_at``) to the
   first output token, one sample per request whose first token came since the last step;
-* **time per output token** (TPOT) of a stream over the last step: the time between its
-  last token of the previous step and its last token now, divided by the tokens in
-  between; the step's figure is the **median** over the streams that advanced. A stream
+* **time per output token** (TPOT) of a stream over the last step: the step's length
+  divided by the tokens the stream produced in it, for a stream that was there for the
+  whole step (a burst of tokens delivered together cannot make it look fast: what counts
+  is how many came in the step, not their spacing); the step's figure is the **median**
+  over the streams that advanced. A stream
   that did not advance (its client stopped reading, or it is waiting inside the engine) is
   left out, and a median is moved by no minority of streams, so a few clients that read
   slowly or send huge prompts cannot make every stream look slow.
@@ -53,11 +55,12 @@ class MeterSample:
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft")
+    __slots__ = ("_streams", "_ttft", "_sampled_at")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
         self._ttft: list[float] = []
+        self._sampled_at: float | None = None
 
     def progress(self, ticket: Any, output_tokens: int, now: float) -> None:
         """``ticket`` (a :class:`qos.Ticket`) has produced ``output_tokens`` so far."""
@@ -76,17 +79,21 @@ class EngineMeter:
         """``ticket`` ended (released, requeued or moved): forget it."""
         self._streams.pop(ticket, None)
 
-    def sample(self) -> MeterSample:
-        """The measurements since the last call (and start the next interval)."""
+    def sample(self, now: float) -> MeterSample:
+        """The measurements since the last call at clock reading ``now`` (and start the
+        next interval)."""
         rates: list[float] = []
         gone = []
+        since, self._sampled_at = self._sampled_at, now
+        span = None if since is None else now - since
         for ticket, st in self._streams.items():
             if ticket.state is not TicketState.ADMITTED:
                 gone.append(ticket)
                 continue
-            if st.n > st.n_step:
-                rates.append((st.last_at - st.last_at_step) / (st.n - st.n_step))
-                st.n_step, st.last_at_step = st.n, st.last_at
+            whole = span is not None and span > 0 and st.last_at_step <= since  # there all step long
+            if st.n > st.n_step and whole:
+                rates.append(span / (st.n - st.n_step))
+            st.n_step, st.last_at_step = st.n, min(st.last_at, now)
         for ticket in gone:
             del self._streams[ticket]
         ttft, self._ttft = tuple(self._ttft), []

@@ -344,7 +344,7 @@ class EnginePoller:
         dispatch when the capacity grew."""
         engine = self.engine
         before = engine.capacity
-        sample = engine.meter.sample()
+        sample = engine.meter.sample(self._clock())
         engine.control.step(
             Observation(
                 now=self._clock(),

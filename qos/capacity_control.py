@@ -29,8 +29,10 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    engine's baseline (its per-token time with little load, see below), ``slow_steps``
    steps in a row:
    ``limit <- max(latency_floor, limit * backoff)``; fewer steps in a row hold the limit.
-   ``latency_floor`` is ``latency_floor_fraction`` of the limit of the last step whose
-   tokens were within the bound: latency alone can never take more than that share of
+   ``latency_floor`` is ``latency_floor_fraction`` of the *reference*: the limit of the
+   steps whose tokens were within the bound, followed up at once and down by 1 % of the
+   gap per such step (so a run of slow steps broken by one fast step cannot ratchet the
+   floor down): latency alone can never take more than that share of
    the capacity found, however long it lasts and whoever causes it (a median is not moved
    by a minority of streams, and a client that sends huge prompts or stops reading slows
    only a bounded part of it).
@@ -60,6 +62,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+REFERENCE_DECAY = 0.01  # per step within the bound, how far the latency floor's reference follows a lower limit
 MAX_CUT = 0.5  # one step of the engine-queue rule takes at most half the limit (TCP halves on loss)
 REASON_START = "start"
 REASON_ENGINE_QUEUE = "engine_queue"
@@ -97,7 +100,7 @@ class ControlSettings:
     initial: int = 16
     ceiling: int = 1024
     floor: int = 1
-    tpot_slowdown: float = 4.0
+    tpot_slowdown: float = 8.0
     backoff: float = 0.9
     latency_floor_fraction: float = 0.5
     min_streams: int = 4
@@ -227,8 +230,11 @@ class CapacityController:
                 self.reason = REASON_GROWING
         else:
             self.reason = REASON_STEADY
-        if not self._slow_run:
-            self._reference = self.limit
+        if not self._slow_run or self.reason != REASON_LATENCY:
+            # the reference follows the limit up at once and down slowly (a run of slow
+            # steps broken by one within the bound must not ratchet the floor down)
+            ref = self._reference
+            self._reference = self.limit if self.limit >= ref else ref - REFERENCE_DECAY * (ref - self.limit)
         return self.value
 
     # ------------------------------------------------------------------ parts
@@ -259,11 +265,13 @@ class CapacityController:
         return max(running, last)
 
     def _slow(self, obs: Observation) -> int:
-        """Steps in a row (this one included) whose median per-token time was beyond the
-        bound; a step without a median keeps the count."""
+        """Steps in a row whose median per-token time was beyond the bound, counting this
+        one; 0 for a step without a median over ``min_streams`` streams (it says nothing
+        of latency, and counting it slow would hold a limit too low to ever measure
+        again), which keeps the run for the next."""
         base = self.baseline_tpot_s
         if base is None or obs.tpot_s is None or obs.streams < self.settings.min_streams:
-            return self._slow_run
+            return 0
         self._slow_run = self._slow_run + 1 if obs.tpot_s > self.settings.tpot_slowdown * base else 0
         return self._slow_run
 

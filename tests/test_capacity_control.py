@@ -147,6 +147,18 @@ def test_a_few_streams_are_no_latency_signal():
     assert c.value == 50
 
 
+def test_a_limit_too_low_to_measure_latency_grows_again():
+    """A limit latency took below min_streams cannot be measured any more: those steps say
+    nothing of latency, and demand grows it (it was held at 1 for good on a real vLLM)."""
+    c = CapacityController(ControlSettings(initial=8, ceiling=64, min_streams=4, latency_floor_fraction=0.0))
+    _settle_baseline(c)
+    for i in range(60):
+        c.step(obs(i + 1, inflight=c.value, demand=True, tpot_s=5.0, streams=8))
+    assert c.value == 1
+    c.step(obs(100, inflight=1, demand=True, tpot_s=5.0, streams=1))
+    assert c.value > 1
+
+
 def test_fixed_measures_but_never_moves():
     c = fixed(8)
     c.step(obs(1, inflight=8, demand=True, engine_waiting=5, tpot_s=0.1, streams=1))
@@ -216,21 +228,39 @@ def test_meter_takes_the_median_of_the_streams_that_advanced():
     stalled = [_T() for _ in range(4)]  # clients that stopped reading
     for t in fast + stalled:
         m.progress(t, 1, 0.1)
-    first = m.sample()
+    first = m.sample(0.5)
     assert first.tpot_s is None and len(first.ttft_s) == 9 and first.ttft_s[0] == pytest.approx(0.1)
-    for i in range(2, 12):
+    for i in range(2, 12):  # 10 tokens each in the next 0.5 s step
         for t in fast:
-            m.progress(t, i, 0.1 + 0.05 * (i - 1))
-    s = m.sample()
+            m.progress(t, i, 0.5 + 0.05 * (i - 1))
+    s = m.sample(1.0)
     assert s.streams == 5 and s.tpot_s == pytest.approx(0.05)  # the stalled four say nothing
     slow = _T()
-    m.progress(slow, 1, 0.6)
-    m.progress(slow, 2, 5.0)
-    for i in range(12, 14):
+    m.progress(slow, 1, 1.1)
+    for i in range(12, 22):
         for t in fast:
-            m.progress(t, i, 0.6 + 0.05 * (i - 11))
-    s = m.sample()
+            m.progress(t, i, 1.0 + 0.05 * (i - 11))
+    m.progress(slow, 2, 1.5)
+    s = m.sample(1.5)
+    assert s.streams == 5 and s.tpot_s == pytest.approx(0.05)  # a stream new in the step waits a step
+    m.progress(slow, 3, 1.9)
+    for i in range(22, 32):
+        for t in fast:
+            m.progress(t, i, 1.5 + 0.05 * (i - 21))
+    s = m.sample(2.0)
     assert s.streams == 6 and s.tpot_s == pytest.approx(0.05)  # one slow stream moves no median
+
+
+def test_a_burst_of_tokens_does_not_look_fast():
+    """Tokens delivered together (one read, a proxy's buffer) count by how many came in the
+    step, not by their spacing: a burst is no 0.1 ms per token."""
+    m = EngineMeter()
+    t = _T()
+    m.progress(t, 1, 0.0)
+    m.sample(0.1)
+    m.progress(t, 6, 0.6)  # five tokens in one chunk, 0.5 s after the last
+    s = m.sample(0.6)
+    assert s.tpot_s == pytest.approx(0.1)
 
 
 def test_meter_forgets_ended_requests():
@@ -240,7 +270,7 @@ def test_meter_forgets_ended_requests():
     m.progress(b, 3, 1.0)
     m.finished(a)
     b.state = TicketState.RELEASED  # an end never reported: dropped at the next sample
-    m.sample()
+    m.sample(2.0)
     assert m.streams == 0
 
 

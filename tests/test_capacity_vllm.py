@@ -161,3 +161,48 @@ async def test_platinum_is_served_first_while_bronze_keeps_the_engine_full(small
         assert p50 * 3 < b50, (platinum, b50)
     finally:
         px.stop()
+
+
+async def test_clients_that_leave_mid_stream_or_send_huge_prompts_do_not_push_the_capacity_down(small_vllm, tmp_path):
+    """Hostile and careless clients beside an honest load: streams cut after their first
+    token and prompts of ~1500 tokens. The capacity found stays at the engine's batch (the
+    stated bound is half of it through latency; the engine's own queue is what decides)."""
+    px = _Proxy(tmp_path, _config(small_vllm.url))
+    huge = "word " * 1500
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as http:
+            end = time.monotonic() + 35
+            honest = asyncio.create_task(_closed_loop(http, px.url, small_vllm.model, 2 * BATCH, 24, end))
+
+            async def leaver() -> None:
+                for _ in range(200):  # bounded; ends by time
+                    if time.monotonic() >= end:
+                        return
+                    async with http.post(px.url + "/v1/chat/completions", json=_body(small_vllm.model, 200)) as r:
+                        async for line in r.content:
+                            if b'"content"' in line:
+                                break  # leave after the first token
+
+            async def stuffer() -> None:
+                for _ in range(200):
+                    if time.monotonic() >= end:
+                        return
+                    body = {**_body(small_vllm.model, 4), "messages": [{"role": "user", "content": huge}]}
+                    async with http.post(px.url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+
+            hostile = [asyncio.create_task(leaver()) for _ in range(3)] + [asyncio.create_task(stuffer()) for _ in range(2)]
+            await asyncio.sleep(12)
+            found = []
+            for _ in range(40):  # bounded: ~20 s of readings
+                if time.monotonic() > end - 2:
+                    break
+                found.append((await px.engine(http))["capacity_found"])
+                await asyncio.sleep(0.5)
+            await honest
+            await asyncio.gather(*hostile)
+        assert len(found) >= 10
+        assert min(found) >= BATCH // 2, found  # the bound: never below half through latency
+        assert statistics.median(found) >= BATCH - 2, found
+    finally:
+        px.stop()
