@@ -588,14 +588,7 @@ class Scheduler:
             return False
         now = self._clock()
         ticket.state = TicketState.RELEASED
-        self.inflight.discard(ticket)
-        self._busy_at[ticket.group] = now
-        left = self._inflight_by_group.get(ticket.group, 1) - 1
-        if left > 0:
-            self._inflight_by_group[ticket.group] = left
-        else:
-            self._inflight_by_group.pop(ticket.group, None)
-        self.capacity_model.release(ticket)
+        self._leave_flight(ticket, now)
         prompt = ticket.prompt_tokens if prompt_tokens is None else clamp_count(prompt_tokens)
         out = ticket.output_tokens if output_tokens is None else clamp_count(output_tokens)
         ticket.output_tokens = out
@@ -699,14 +692,7 @@ class Scheduler:
         if ticket.state is not TicketState.ADMITTED:
             return False
         now = self._clock()
-        self.inflight.discard(ticket)
-        self._busy_at[ticket.group] = now
-        left = self._inflight_by_group.get(ticket.group, 1) - 1
-        if left > 0:
-            self._inflight_by_group[ticket.group] = left
-        else:
-            self._inflight_by_group.pop(ticket.group, None)
-        self.capacity_model.release(ticket)
+        self._leave_flight(ticket, now)
         acct = self._accounts[ticket.user_id]
         acct.inflight -= 1
         queue = self._queues[acct.group]
@@ -823,6 +809,18 @@ class Scheduler:
         if out:
             self._dispatch()
         return out
+
+    def _leave_flight(self, ticket: Ticket, now: float) -> None:
+        """Take ``ticket`` out of the requests in flight and give its room back (a
+        release, or a requeue for preemption); its class has work at ``now``."""
+        self.inflight.discard(ticket)
+        self._busy_at[ticket.group] = now
+        left = self._inflight_by_group.get(ticket.group, 1) - 1
+        if left > 0:
+            self._inflight_by_group[ticket.group] = left
+        else:
+            self._inflight_by_group.pop(ticket.group, None)
+        self.capacity_model.release(ticket)
 
     def expire(self) -> list[Ticket]:
         """Refuse every queued ticket whose deadline has passed (reason TIMEOUT); their

@@ -37,7 +37,6 @@ The engine holds ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) of KV cache plus ~1 GB.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_fixture import stop_engine
 from tests.proc_util import die_with_parent, free_port, wait_for_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,19 +166,8 @@ def stop_vllm_engine(engine: VllmEngine, grace_s: float = DEFAULT_GRACE_S) -> in
     """SIGTERM the launcher (it stops vLLM's whole process group), wait ``grace_s`` + 5 s,
     SIGKILL after that. Returns the launcher's exit status (0 = clean stop); the log file
     is removed after a clean stop."""
-    proc = engine.process
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s + 5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
-    if proc.returncode == 0:
-        engine.log_path.unlink(missing_ok=True)
-    return proc.returncode
+    engine.process.log_path = engine.log_path  # what stop_engine removes after a clean stop
+    return stop_engine(engine.process, grace_s)
 
 
 @pytest.fixture(scope="session")
