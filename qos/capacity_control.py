@@ -20,7 +20,9 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    larger of what the two reports say the engine runs (every client's, so replicas
    sharing it find the engine's whole capacity; our in flight less what waits when it does
    not say), and one step takes at most half the limit (:data:`MAX_CUT`, TCP's halving);
-   for a full KV cache, our in flight. Nothing new is dispatched until requests end, so the queue stays in
+   for a full KV cache, our in flight. While more than the limit is still in flight (sent
+   before the cut, draining as it ends), the signals it causes cut no further: one cut per
+   round trip, as TCP takes one loss event per window (rule 2 likewise). Nothing new is dispatched until requests end, so the queue stays in
    the proxy, ordered by priority and fair share, not in the engine's FIFO; with
    ``floor`` >= 1 one request still goes when none of ours runs there, so an engine kept
    busy by someone else cannot stall the proxy's queue for good.
@@ -207,17 +209,27 @@ class CapacityController:
         self._learn(obs)
         if not self.adaptive:
             return self.value
+        # what is in flight above the limit was sent before the last cut and drains as it
+        # ends: the signals it still causes are not a reason to cut again (one cut per
+        # round trip, as TCP takes one loss event per window)
+        draining = obs.inflight > self.limit
         if (running := self._queued(obs)) is not None:
             target = max(running, self.limit * MAX_CUT)
-            self._lower(min(self.limit * s.backoff, target), REASON_ENGINE_QUEUE, s.floor)
+            if draining:
+                target = max(target, self.limit)
+            self._lower(min(self.limit * s.backoff, target) if not draining else min(self.limit, target), REASON_ENGINE_QUEUE, s.floor)
             self._full_at = obs.now
         elif self._last_queue is not None:
             self.reason = REASON_ENGINE_QUEUE  # one report of a queue: no growth, no cut yet
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
-            self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
+            if not draining:
+                self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
+            self.reason = REASON_KV_CACHE
             self._full_at = obs.now
         elif (slow := self._slow(obs)) >= s.slow_steps:
-            self._lower(self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference))
+            if not draining:
+                self._lower(self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference))
+            self.reason = REASON_LATENCY
         elif slow:
             self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
         elif obs.demand or obs.inflight * 2 >= self.limit:

@@ -62,10 +62,26 @@ def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
     c.step(obs(3, inflight=40, demand=True, engine_waiting=45, engine_running=2))  # someone else fills it
     c.step(obs(3.5, inflight=40, demand=True, engine_waiting=45, engine_running=2))
     assert c.value == 40  # at most half per step
-    for i in range(10):
-        c.step(obs(4 + i, inflight=40, demand=True, engine_waiting=45, engine_running=2))
+    for i in range(3):  # ours still above the limit (sent before the cut): they drain, nothing more is cut
+        c.step(obs(4 + i, inflight=48, demand=True, engine_waiting=45, engine_running=2))
+    assert c.value == 40
+    for i in range(10):  # ours ended down to the limit, the engine still full: cut again
+        c.step(obs(8 + i, inflight=c.value, demand=True, engine_waiting=45, engine_running=2))
     assert c.value <= 2  # what the engine runs, and less while it stays full
     assert c.decreases[REASON_ENGINE_QUEUE] == 13
+
+
+def test_one_cut_per_round_trip_while_the_excess_drains():
+    """Requests sent before a cut stay queued inside the engine until slots free (a whole
+    generation on a CPU): the queue they cause is no reason to cut again and again (the
+    capacity fell from 158 to 17 that way on a real vLLM with 160 streams)."""
+    c = CapacityController(ControlSettings(initial=158, ceiling=1024))
+    inflight = 158
+    for i in range(40):  # vLLM runs 128, the rest of ours wait inside it and drain slowly
+        waiting = max(0, inflight - 128)
+        c.step(obs(i * 0.5, inflight=inflight, demand=True, engine_waiting=waiting, engine_running=min(inflight, 128)))
+        inflight = max(c.value, inflight - 1)
+    assert min(c.value, 128) >= 115, c.value
 
 
 def test_a_request_arriving_mid_step_is_no_queue():
