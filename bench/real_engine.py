@@ -720,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="seconds per row (default 40; 10 with --quick)")
     ap.add_argument("--rows", default=None, help=f"comma-separated, of {','.join(ALL_ROWS)} (default all; with --quick {','.join(QUICK_ROWS)})")
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 s rows, 64 bronze streams only; JSON and plot under bench/out/")
-    ap.add_argument("--fair-streams", type=int, default=32, help="closed-loop streams per platinum user in the fairness row (default 32)")
+    ap.add_argument("--fair-streams", type=int, default=128, help="closed-loop streams per platinum user in the fairness row (default 128: both backlogged at the proxy)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="default bench/out/real_engine.json (real_engine_quick.json with --quick)")
     ap.add_argument("--plot", type=Path, default=None, help="default docs/img/real_engine.png (bench/out/real_engine_quick.png with --quick)")

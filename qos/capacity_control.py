@@ -42,9 +42,10 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    least half the limit is in flight) and neither signal above fires: additive increase,
    ``limit <- min(ceiling, limit + max(1, sqrt(limit)))`` (Gradient2's queue allowance of
    ``sqrt(limit)``): from 16 to 128 in about a dozen steps; within ``probe_after_s`` of
-   the engine last saying it was full, by 1 per step (TCP's congestion avoidance after
-   slow start), so the limit stays just under the engine's batch instead of overshooting
-   it by a growth step each time.
+   the engine last queueing, by 1 per step (TCP's congestion avoidance after slow start)
+   and no higher than what the engine ran then (its batch: a request sent past it waits
+   inside the engine, first come first served, whatever its priority); after that it
+   probes above again.
 4. Otherwise the limit holds.
 
 The baseline per-token time is the smallest median seen, drifting up towards newer ones by
@@ -186,7 +187,8 @@ class CapacityController:
     _slow_run: int = field(default=0, repr=False)
     _reference: float = field(default=0.0, repr=False)
     _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full
-    _last_queue: float | None = field(default=None, repr=False)  # running, at the last report that showed a queue  # the limit when tokens were last within the bound
+    _last_queue: float | None = field(default=None, repr=False)
+    _batch: float | None = field(default=None, repr=False)  # what the engine ran when it last queued  # running, at the last report that showed a queue  # the limit when tokens were last within the bound
 
     def __post_init__(self) -> None:
         if self.limit <= 0:
@@ -214,6 +216,7 @@ class CapacityController:
         # round trip, as TCP takes one loss event per window)
         draining = obs.inflight > self.limit
         if (running := self._queued(obs)) is not None:
+            self._batch = running
             target = max(running, self.limit * MAX_CUT)
             if draining:
                 target = max(target, self.limit)
@@ -238,8 +241,11 @@ class CapacityController:
             else:
                 recent = obs.now - self._full_at < s.probe_after_s
                 step = 1.0 if recent else max(1.0, math.sqrt(self.limit))
-                self.limit = min(float(s.ceiling), self.limit + step)
-                self.reason = REASON_GROWING
+                top = float(s.ceiling)
+                if recent and self._batch is not None:
+                    top = min(top, max(self.limit, self._batch))  # no higher than the engine ran when full
+                self.limit = min(top, self.limit + step)
+                self.reason = REASON_GROWING if self.limit < top or top == s.ceiling else REASON_STEADY
         else:
             self.reason = REASON_STEADY
         if not self._slow_run or self.reason != REASON_LATENCY:

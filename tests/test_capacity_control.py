@@ -84,6 +84,21 @@ def test_one_cut_per_round_trip_while_the_excess_drains():
     assert min(c.value, 128) >= 115, c.value
 
 
+def test_after_the_engine_queued_the_limit_stays_at_its_batch_for_a_while():
+    """A request sent past the engine's batch waits inside it, blind to priority: once the
+    engine showed its batch (128), growth stops there for probe_after_s, then probes."""
+    c = CapacityController(ControlSettings(initial=140, ceiling=1024, probe_after_s=30))
+    for now in (0.0, 0.5):
+        c.step(obs(now, inflight=128, demand=True, engine_waiting=12, engine_running=128))
+    assert c.value == 126  # 140 x 0.9
+    for i in range(40):  # 20 s of demand, no queue inside the engine
+        c.step(obs(1 + i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=c.value))
+    assert c.value == 128
+    for i in range(30):  # past probe_after_s: it probes above again
+        c.step(obs(31 + i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=128))
+    assert c.value > 128
+
+
 def test_a_request_arriving_mid_step_is_no_queue():
     """vLLM counts a request that arrived during its step as waiting until the next step:
     readings of waiting 1 and 0 alternating are arrivals, not a full batch."""
