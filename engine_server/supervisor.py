@@ -38,6 +38,7 @@ child processes (``python -c "import sys; sys.exit(3)"``) quickly.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -292,6 +293,7 @@ class Supervisor:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=2 if self.stdout_to_stderr else None,  # fd 2: the OS-level stderr
             start_new_session=True,
+            preexec_fn=_term_with_launcher,
         )
         self.process = proc
         log.info("%s: pid %d", self.name, proc.pid)
@@ -367,3 +369,15 @@ class Supervisor:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _term_with_launcher() -> None:
+    """``preexec_fn`` of the engine: ask Linux to send it SIGTERM when the launcher dies
+    (``prctl(PR_SET_PDEATHSIG)``, prctl(2)), so an engine in a session of its own does not
+    outlive a launcher killed with SIGKILL (a clean stop signals its group anyway); the
+    engine's own SIGTERM handling then stops its children (vLLM's EngineCore and Worker).
+    A no-op where prctl is missing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass

@@ -211,3 +211,49 @@ def test_sigterm_to_supervisor_process_is_forwarded(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_engine_is_stopped_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL (no chance to stop its engine) leaves no engine
+    behind: the engine runs in a session of its own, and gets SIGTERM from the kernel when
+    its launcher dies (PR_SET_PDEATHSIG). Seen before: a vLLM server orphaned for 30 min."""
+    pidfile = tmp_path / "child.pid"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from engine_server.supervisor import RestartPolicy, Supervisor
+
+        child = [sys.executable, "-c",
+                 "import os, signal; open({str(pidfile)!r}, 'w').write(str(os.getpid())); signal.pause()"]
+
+        async def main():
+            sup = Supervisor(child, policy=RestartPolicy(grace_s=5),
+                             on_ready=lambda took: print("ready", flush=True))
+            return await sup.run()
+
+        sys.exit(asyncio.run(main()))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() < deadline, "child never wrote its pid"
+            time.sleep(0.02)
+        child_pid = int(pidfile.read_text())
+        proc.kill()
+        proc.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while True:  # bounded: the kernel's SIGTERM ends it at once
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the engine outlived its killed launcher"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
