@@ -172,8 +172,10 @@ def test_stop_while_starting() -> None:
     assert run_bounded(scenario()) == EXIT_OK
 
 
-def test_sigterm_to_supervisor_process_is_forwarded(tmp_path: Path) -> None:
-    """End to end through real signals: SIGTERM to a supervising process stops its child."""
+def _supervising_process(tmp_path: Path, handlers: bool) -> tuple[subprocess.Popen, int]:
+    """A real process running a Supervisor of a child that writes its pid and waits for a
+    signal (``handlers``: the supervisor installs its signal handlers, as the launcher
+    does). Returns the process, once its child is ready, and the child's pid."""
     pidfile = tmp_path / "child.pid"
     script = textwrap.dedent(
         f"""
@@ -186,7 +188,8 @@ def test_sigterm_to_supervisor_process_is_forwarded(tmp_path: Path) -> None:
         async def main():
             sup = Supervisor(child, policy=RestartPolicy(grace_s=5),
                              on_ready=lambda took: print("ready", flush=True))
-            sup.install_signal_handlers()
+            if {handlers!r}:
+                sup.install_signal_handlers()
             return await sup.run()
 
         sys.exit(asyncio.run(main()))
@@ -200,7 +203,17 @@ def test_sigterm_to_supervisor_process_is_forwarded(tmp_path: Path) -> None:
         while not (pidfile.exists() and pidfile.read_text()):
             assert time.monotonic() < deadline, "child never wrote its pid"
             time.sleep(0.02)
-        child_pid = int(pidfile.read_text())
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, int(pidfile.read_text())
+
+
+def test_sigterm_to_supervisor_process_is_forwarded(tmp_path: Path) -> None:
+    """End to end through real signals: SIGTERM to a supervising process stops its child."""
+    proc, child_pid = _supervising_process(tmp_path, handlers=True)
+    try:
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == 0
@@ -217,32 +230,8 @@ def test_the_engine_is_stopped_when_the_launcher_is_killed(tmp_path: Path) -> No
     """A launcher killed with SIGKILL (no chance to stop its engine) leaves no engine
     behind: the engine runs in a session of its own, and gets SIGTERM from the kernel when
     its launcher dies (PR_SET_PDEATHSIG). Seen before: a vLLM server orphaned for 30 min."""
-    pidfile = tmp_path / "child.pid"
-    script = textwrap.dedent(
-        f"""
-        import asyncio, sys
-        from engine_server.supervisor import RestartPolicy, Supervisor
-
-        child = [sys.executable, "-c",
-                 "import os, signal; open({str(pidfile)!r}, 'w').write(str(os.getpid())); signal.pause()"]
-
-        async def main():
-            sup = Supervisor(child, policy=RestartPolicy(grace_s=5),
-                             on_ready=lambda took: print("ready", flush=True))
-            return await sup.run()
-
-        sys.exit(asyncio.run(main()))
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    proc, child_pid = _supervising_process(tmp_path, handlers=False)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 10
-        while not (pidfile.exists() and pidfile.read_text()):
-            assert time.monotonic() < deadline, "child never wrote its pid"
-            time.sleep(0.02)
-        child_pid = int(pidfile.read_text())
         proc.kill()
         proc.wait(timeout=5)
         deadline = time.monotonic() + 5
