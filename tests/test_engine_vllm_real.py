@@ -18,21 +18,17 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.proc_util import free_port
+from tests.proc_util import free_port, live_processes
 from tests.proxy_process import start_proxy, stop_proxy
 from tests.vllm_engine import (
     DEFAULT_GRACE_S,
-    FIXTURE_ENGINE_ARGS,
     VllmEngine,
     parse_metrics,
-    require_vllm,
-    start_vllm_engine,
-    stop_vllm_engine,
+    running_vllm_engine,
 )
 
 pytestmark = pytest.mark.engine
@@ -55,19 +51,7 @@ def _engine_pid(engine: VllmEngine) -> int:
 
 def _group(pgid: int) -> dict[int, str]:
     """``{pid: comm}`` of the live (not zombie) processes of process group ``pgid``."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out[int(entry)] = comm
-    return out
+    return {pid: comm for pid, comm, state, _ppid, group in live_processes() if group == pgid and state != "Z"}
 
 
 def _wait_until(what: str, pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) -> float:
@@ -116,12 +100,8 @@ def test_parse_metrics_sums_series() -> None:
 @pytest.fixture
 def own_engine() -> Iterator[VllmEngine]:
     """An engine of the test's own, eager as the shared one (tests/vllm_engine.py says why)."""
-    require_vllm()
-    engine = start_vllm_engine(free_port(), extra_args=FIXTURE_ENGINE_ARGS)
-    try:
+    with running_vllm_engine() as engine:
         yield engine
-    finally:
-        stop_vllm_engine(engine)
 
 
 def _stop_by(engine: VllmEngine, sig: signal.Signals) -> None:

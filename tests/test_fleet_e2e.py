@@ -27,7 +27,7 @@ import yaml
 
 from engine_server import cpu_model
 from proxy.cli import default_config_path
-from tests.proc_util import die_with_parent, free_port
+from tests.proc_util import die_with_parent, free_port, live_processes
 from tests.test_cli import ENV, REPO_ROOT
 
 pytestmark = pytest.mark.engine
@@ -57,15 +57,8 @@ def _free_port_pair() -> int:
 def _children() -> dict[int, list[int]]:
     """Every live process's children, by parent PID (from /proc)."""
     kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
+    for pid, _comm, _state, ppid, _pgid in live_processes():
+        kids.setdefault(ppid, []).append(pid)
     return kids
 
 

@@ -36,6 +36,7 @@ The engine holds ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) of KV cache plus ~1 GB.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -170,14 +171,22 @@ def stop_vllm_engine(engine: VllmEngine, grace_s: float = DEFAULT_GRACE_S) -> in
     return stop_engine(engine.process, grace_s)
 
 
+@contextlib.contextmanager
+def running_vllm_engine(extra_args: list[str] | None = None) -> Iterator[VllmEngine]:
+    """A vLLM engine for the ``with`` block (:func:`require_vllm` first): started on a free
+    loopback port with ``extra_args`` (default :data:`FIXTURE_ENGINE_ARGS`), stopped after."""
+    require_vllm()
+    engine = start_vllm_engine(free_port(), extra_args=FIXTURE_ENGINE_ARGS if extra_args is None else extra_args)
+    try:
+        yield engine
+    finally:
+        stop_vllm_engine(engine)
+
+
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[VllmEngine]:
     """Session-wide real vLLM engine (vLLM's default batch limit, eager, float32): yields a
     :class:`VllmEngine`; stopped at the end of the session. Skips when vLLM cannot run
     here, fails under CI."""
-    require_vllm()
-    engine = start_vllm_engine(free_port(), extra_args=FIXTURE_ENGINE_ARGS)
-    try:
+    with running_vllm_engine() as engine:
         yield engine
-    finally:
-        stop_vllm_engine(engine)
