@@ -211,44 +211,42 @@ class CapacityController:
         self._learn(obs)
         if not self.adaptive:
             return self.value
-        # what is in flight above the limit was sent before the last cut and drains as it
-        # ends: the signals it still causes are not a reason to cut again (one cut per
-        # round trip, as TCP takes one loss event per window)
-        draining = obs.inflight > self.limit
+        cut = None  # (target, reason, floor) of a decrease this step calls for
         if (running := self._queued(obs)) is not None:
-            self._batch = running
-            target = max(running, self.limit * MAX_CUT)
-            if draining:
-                target = max(target, self.limit)
-            self._lower(min(self.limit * s.backoff, target) if not draining else min(self.limit, target), REASON_ENGINE_QUEUE, s.floor)
-            self._full_at = obs.now
+            self._batch, self._full_at = running, obs.now
+            cut = min(self.limit * s.backoff, max(running, self.limit * MAX_CUT)), REASON_ENGINE_QUEUE, s.floor
         elif self._last_queue is not None:
             self.reason = REASON_ENGINE_QUEUE  # one report of a queue: no growth, no cut yet
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
-            if not draining:
-                self._lower(min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor)
-            self.reason = REASON_KV_CACHE
             self._full_at = obs.now
+            cut = min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor
         elif (slow := self._slow(obs)) >= s.slow_steps:
-            if not draining:
-                self._lower(self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference))
-            self.reason = REASON_LATENCY
+            cut = self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference)
         elif slow:
             self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
         elif obs.demand or obs.inflight * 2 >= self.limit:
-            if self.limit >= s.ceiling:
-                self.limit, self.reason = float(s.ceiling), REASON_CEILING
+            recent = obs.now - self._full_at < s.probe_after_s
+            step = 1.0 if recent else max(1.0, math.sqrt(self.limit))
+            top = float(s.ceiling)
+            if recent and self._batch is not None:
+                top = min(top, max(self.limit, self._batch))  # no higher than the engine ran when full
+            grown = min(top, self.limit + step)
+            if grown > self.limit:
+                self.limit, self.reason = grown, REASON_GROWING
             else:
-                recent = obs.now - self._full_at < s.probe_after_s
-                step = 1.0 if recent else max(1.0, math.sqrt(self.limit))
-                top = float(s.ceiling)
-                if recent and self._batch is not None:
-                    top = min(top, max(self.limit, self._batch))  # no higher than the engine ran when full
-                self.limit = min(top, self.limit + step)
-                self.reason = REASON_GROWING if self.limit < top or top == s.ceiling else REASON_STEADY
+                self.reason = REASON_CEILING if top >= s.ceiling else REASON_STEADY
         else:
             self.reason = REASON_STEADY
-        if not self._slow_run or self.reason != REASON_LATENCY:
+        if cut is not None:
+            target, reason, floor = cut
+            # what is in flight above the limit was sent before the last cut and drains as
+            # it ends: the signals it still causes are no reason to cut again (one cut per
+            # round trip, as TCP takes one loss event per window)
+            if obs.inflight > self.limit:
+                self.reason = reason
+            else:
+                self._lower(target, reason, floor)
+        if self.reason != REASON_LATENCY:
             # the reference follows the limit up at once and down slowly (a run of slow
             # steps broken by one within the bound must not ratchet the floor down)
             ref = self._reference
