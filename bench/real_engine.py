@@ -102,6 +102,7 @@ WAITING_NEAR_ZERO = 1.0  # "near 0": the engine's mean waiting count over the ro
 THROUGHPUT_FLOOR = 0.90
 ENGINE_READY_S = 900.0  # first start compiles (about 2 minutes on 2 cores), more if the machine is busy
 DRAIN_S = 120.0
+CONTROL_FIELDS = ("capacity_reason", "capacity_decreases")  # what /admin/status says of each engine's controller, kept as is
 ENGINE_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 LOAD_ROWS = {"64-fixed": (64, "fixed"), "64-random": (64, "random"), "160-fixed": (160, "fixed"), "160-random": (160, "random")}
@@ -383,7 +384,8 @@ async def sample_proxy(session, url: str, t0: float, out: list) -> None:
         try:
             async with session.get(f"{url}/admin/status?top=0", headers=headers, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 snap = await r.json() if r.status == 200 else {}
-            engines = [_numbers(e) for e in snap.get("engines") or [] if isinstance(e, dict)]
+            raw = [e for e in snap.get("engines") or [] if isinstance(e, dict)]
+            engines = [{**_numbers(e), **{k: e[k] for k in CONTROL_FIELDS if k in e}} for e in raw]
             out.append([time.monotonic() - t0, _numbers(snap), engines])
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             pass
@@ -520,10 +522,13 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
         eng: dict[str, list] = {}
         for _, es in steady_proxy:
             for e in es:
-                for k, v in e.items():
+                for k, v in _numbers(e).items():
                     eng.setdefault(k, []).append(v)
         out["proxy_engine_fields"] = {k: {"min": min(v), "mean": round(sum(v) / len(v), 3), "max": max(v)} for k, v in eng.items()}
         out["proxy_samples"] = len(steady_proxy)
+        # the controller over the whole row: [s, capacity, reason, inflight, engine waiting, tpot ms, decreases]
+        out["capacity_series"] = [[round(t, 2), e.get("capacity"), e.get("capacity_reason"), e.get("inflight"), e.get("waiting"),
+                                   e.get("tpot_s"), e.get("capacity_decreases")] for t, _, es in proxy_samples for e in es[:1]]
     out["engine_samples"] = len(steady_engine)
     out["tokens_per_s_series"] = tokens.per_second(t_end - t0)
     out["engine_waiting_series"] = [[round(t, 2), m.get("vllm:num_requests_waiting")] for t, m in engine_samples]

@@ -58,13 +58,14 @@ def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
     assert c.value == 88 and c.reason == REASON_ENGINE_QUEUE  # what the engine really runs
     c.step(obs(2, inflight=88, demand=True, engine_waiting=1))
     assert c.value == 79  # 88 * 0.9
-    c.step(obs(2.5, inflight=88, demand=True, engine_waiting=0))  # gone: the next queue needs two reports again
+    c.step(obs(2.5, inflight=79, demand=True, engine_waiting=0))  # gone: the next queue needs two reports again
+    assert c.value == 88  # back at once to what the engine ran while it queued (its batch)
     c.step(obs(3, inflight=40, demand=True, engine_waiting=45, engine_running=2))  # someone else fills it
     c.step(obs(3.5, inflight=40, demand=True, engine_waiting=45, engine_running=2))
-    assert c.value == 40  # at most half per step
+    assert c.value == 44  # at most half per step
     for i in range(3):  # ours still above the limit (sent before the cut): they drain, nothing more is cut
         c.step(obs(4 + i, inflight=48, demand=True, engine_waiting=45, engine_running=2))
-    assert c.value == 40
+    assert c.value == 44
     for i in range(10):  # ours ended down to the limit, the engine still full: cut again
         c.step(obs(8 + i, inflight=c.value, demand=True, engine_waiting=45, engine_running=2))
     assert c.value <= 2  # what the engine runs, and less while it stays full
@@ -97,6 +98,30 @@ def test_after_the_engine_queued_the_limit_stays_at_its_batch_for_a_while():
     for i in range(30):  # past probe_after_s: it probes above again
         c.step(obs(31 + i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=128))
     assert c.value > 128
+
+
+def test_after_someone_else_filled_the_engine_the_limit_returns_to_its_batch_at_once():
+    """Another client's requests fill the engine (it runs 128 and queues the rest) while
+    none of ours runs: each step cuts, down to the floor. When that load is gone the
+    engine can run its batch again: the limit goes back there by doubling (TCP's slow
+    start to ssthresh), not one request a step (64 s at 2 steps a second: measured on a
+    real vLLM, where that ramp cost a third of the throughput of a 40-s run)."""
+    c = CapacityController(ControlSettings(initial=128, ceiling=1024))
+    for i in range(60):
+        c.step(obs(i * 0.5, inflight=0, engine_waiting=58, engine_running=128))
+    assert c.value == 1
+    steps = 0
+    while c.value < 128:
+        c.step(obs(40 + steps * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=c.value))
+        steps += 1
+        assert steps <= 8, c.value
+    for i in range(20):  # within probe_after_s of the queue: held at the batch
+        c.step(obs(45 + i * 0.5, inflight=128, demand=True, engine_waiting=0, engine_running=128))
+    assert c.value == 128
+    before = c.value
+    for i in range(10):  # then it probes above, one request a step
+        c.step(obs(80 + i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=128))
+    assert c.value == before + 10
 
 
 def test_a_request_arriving_mid_step_is_no_queue():
