@@ -40,22 +40,22 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    only a bounded part of it).
 3. **Demand presses on the limit** (requests wait in the proxy for this engine, or at
    least half the limit is in flight) and neither signal above fires: it grows, by how far
-   it is from the last point where a signal fired (TCP's ``ssthresh``, RFC 5681 §3.1):
+   it is from the engine's batch, what the engine ran when it last queued (TCP's
+   ``ssthresh``, RFC 5681 §3.1), and never past that batch in one step:
 
-   * below that point (the limit was cut further, say while someone else's requests
-     filled the engine): it doubles per step up to it (TCP's slow start back to
-     ``ssthresh``): the engine ran that much, so from 1 to 128 takes 7 steps, not 64;
-   * at or above it: by 1 per step (TCP's congestion avoidance), and within
-     ``probe_after_s`` of the engine last queueing no higher than what the engine ran
-     then (its batch: a request sent past it waits inside the engine, first come first
-     served, whatever its priority); after that it probes above again, one request a
-     step, so a probe puts no more than the two readings' worth of requests into the
-     engine's queue before the next cut;
-   * no signal yet (a new engine): ``limit + max(1, sqrt(limit))`` (Gradient2's queue
-     allowance of ``sqrt(limit)``): from 16 to 128 in about a dozen steps.
+   * no batch known yet (a new engine, one that never queued):
+     ``limit + max(1, sqrt(limit))`` (Gradient2's queue allowance of ``sqrt(limit)``):
+     from 16 to 128 in about a dozen steps;
+   * below the batch: within ``probe_after_s`` of the queue it doubles per step (TCP's
+     slow start back to ``ssthresh``: the limit was cut further, say while someone
+     else's requests filled the engine, and the engine ran that much, so from 1 back to
+     128 takes 7 steps, not 64); later by ``sqrt(limit)`` as above;
+   * at or above the batch: within ``probe_after_s`` of the queue it holds there (a
+     request sent past the batch waits inside the engine, first come first served,
+     whatever its priority); later it probes above by 1 per step (TCP's congestion
+     avoidance), so a probe puts no more than about two readings' worth of requests into
+     the engine's queue before the next cut.
 
-   The point is set by every cut: to what the engine ran for a queue (its batch, every
-   client's requests), to the new limit for a full KV cache or slow tokens.
 4. Otherwise the limit holds.
 
 The baseline per-token time is the smallest median seen, drifting up towards newer ones by
@@ -103,9 +103,9 @@ class ControlSettings:
         min_streams: streams a per-token median needs before it counts (>= 1).
         slow_steps: steps in a row beyond the bound before latency lowers the limit (a
             moment's jitter of a loaded host is not a slower engine).
-        probe_after_s: for this long after the engine last queued, growth stops at what
-            the engine ran then (its batch); after it, the limit probes above, one request
-            a step.
+        probe_after_s: for this long after the engine last queued, the limit doubles back
+            up to what the engine ran then (its batch) and stops there; after it, it grows
+            by sqrt(limit) up to the batch and probes above by one request a step.
         baseline_drift: per step, the fraction of the gap by which the baseline moves up
             towards a larger median (0..1).
     """
@@ -199,7 +199,6 @@ class CapacityController:
     _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full
     _last_queue: float | None = field(default=None, repr=False)
     _batch: float | None = field(default=None, repr=False)  # what the engine ran when it last queued
-    _mark: float | None = field(default=None, repr=False)  # where the last cut's signal fired (TCP's ssthresh)
 
     def __post_init__(self) -> None:
         if self.limit <= 0:
@@ -236,15 +235,14 @@ class CapacityController:
         elif slow:
             self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
         elif obs.demand or obs.inflight * 2 >= self.limit:
-            top, mark = float(s.ceiling), self._mark
-            if mark is None:
+            top, batch = float(s.ceiling), self._batch
+            recent = obs.now - self._full_at < s.probe_after_s
+            if batch is None:
                 grown = self.limit + max(1.0, math.sqrt(self.limit))
-            elif self.limit < mark:
-                grown = min(mark, 2.0 * self.limit)  # slow start back to where a signal last fired
+            elif self.limit < batch:
+                grown = min(batch, 2.0 * self.limit if recent else self.limit + max(1.0, math.sqrt(self.limit)))
             else:
-                grown = self.limit + 1.0
-                if obs.now - self._full_at < s.probe_after_s and self._batch is not None:
-                    top = min(top, max(self.limit, self._batch))  # no higher than the engine ran when full
+                grown = self.limit if recent else self.limit + 1.0
             grown = min(top, grown)
             if grown > self.limit:
                 self.limit, self.reason = grown, REASON_GROWING
@@ -261,7 +259,6 @@ class CapacityController:
                 self.reason = reason
             else:
                 self._lower(target, reason, floor)
-                self._mark = self._batch if reason == REASON_ENGINE_QUEUE else self.limit
         if self.reason != REASON_LATENCY:
             # the reference follows the limit up at once and down slowly (a run of slow
             # steps broken by one within the bound must not ratchet the floor down)

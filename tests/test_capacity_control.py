@@ -124,6 +124,39 @@ def test_after_someone_else_filled_the_engine_the_limit_returns_to_its_batch_at_
     assert c.value == before + 10
 
 
+def test_a_latency_cut_does_not_slow_later_growth():
+    """Slow tokens at a small limit (a fresh engine's first, compiling requests) cut it;
+    once tokens are fast again the limit grows as fast as before (sqrt(limit) a step),
+    not one request a step: measured on a real vLLM, that ramp cost a tenth of a
+    64-stream row's throughput."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024))
+    c.step(obs(0, inflight=4, tpot_s=0.04, streams=4))  # the baseline
+    for i in range(3):
+        c.step(obs(1 + i, inflight=16, demand=True, tpot_s=0.5, streams=16))
+    assert c.value == 14 and c.reason == REASON_LATENCY
+    steps = 0
+    while c.value < 75:
+        c.step(obs(10 + steps * 0.5, inflight=c.value, demand=True, tpot_s=0.05, streams=c.value))
+        steps += 1
+    assert steps <= 12  # 14 -> 75 by sqrt steps (one request a step would take 61)
+
+
+def test_growth_never_jumps_past_a_batch_the_engine_showed():
+    """Long after the engine last queued at 128, the limit grows fast below 128, stops
+    at it, and probes above one request a step (a request past the batch waits inside
+    the engine, first come first served)."""
+    c = CapacityController(ControlSettings(initial=128, ceiling=1024, probe_after_s=30))
+    for now in (0.0, 0.5):
+        c.step(obs(now, inflight=128, demand=True, engine_waiting=3, engine_running=128))
+    c.step(obs(1, inflight=0))  # the load went away
+    c.limit = 100.0  # as if cut by something else since
+    seen = []
+    for i in range(10):
+        c.step(obs(60 + i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=c.value))
+        seen.append(c.value)
+    assert 128 in seen and seen[-1] == 128 + (len(seen) - 1 - seen.index(128))
+
+
 def test_a_request_arriving_mid_step_is_no_queue():
     """vLLM counts a request that arrived during its step as waiting until the next step:
     readings of waiting 1 and 0 alternating are arrivals, not a full batch."""
