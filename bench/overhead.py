@@ -1,29 +1,43 @@
-"""What the proxy costs on a request's path: direct vs llm-qos vs nginx, side by side.
+"""What the proxy costs on a request's path: direct vs llm-qos vs nginx vs the Rust routers.
 
 One run on one machine starts the fake upstream (``bench.fake_upstream``), the llm-qos
-proxy (``python -m proxy proxy``, its own process) and, if installed, nginx as a plain
-streaming reverse proxy (``proxy_buffering off``, one worker, keep-alive upstream), and
-measures, alternating between the three targets round by round:
+proxy (``python -m proxy proxy``, its own process, admission on, shipped defaults
+otherwise), nginx as a plain streaming reverse proxy (``proxy_buffering off``, one worker,
+keep-alive upstream) if installed, and vllm-router and sglang-router (Rust, from PyPI, in
+their own venv ``.venv-routers``: ``make bench-routers``; the command lines are in
+``bench._harness.router_command``) if installed, all in front of the same upstream, and
+measures, alternating between the targets round by round:
 
 * p50 latency at concurrency 1 (non-streaming; "added" = target p50 - direct p50 of the
   same round);
-* CPU per non-streaming request and per 64-token stream, from the proxy process's own
-  accounting (``utime + stime`` in ``/proc/PID/stat``, deltas over a fixed request count;
+* CPU per non-streaming request (closed loop, concurrency 8) and per 64-token stream
+  (concurrency 16, 1 ms between tokens upstream: every event is its own chunk, as from an
+  engine), from the target process's own accounting (``utime + stime`` in
+  ``/proc/PID/stat``, threads and children included, deltas over a fixed request count;
   nginx: master + worker); per relayed chunk = per stream / 66 (64 token events, the
   final usage event, ``[DONE]``);
-* max requests/s (closed loop, concurrency 64, non-streaming);
+* non-streaming requests/s (closed loop, concurrency 32, two load processes);
+* streams/s (closed loop of 64-token streams, concurrency 32, two load processes, no
+  pause between tokens upstream: the relay's capacity, not an engine's pace);
 * RSS after the run;
 
-then holds 10 000 idle streams through one proxy process (``bench.idle_streams``) and
-times one admission decision (``qos.Scheduler`` submit + dispatch) with 10 000 queued.
+prints them in one table with the ratios of llm-qos to the best Rust router (and to
+nginx), so that a change that costs CPU shows up as a ratio measured in the same
+conditions, then holds 10 000 idle streams through one proxy process
+(``bench.idle_streams``) and times one admission decision (``qos.Scheduler`` submit +
+dispatch) with 10 000 queued.
+
+The upstream's pause between a stream's tokens is set on the upstream between phases
+(``POST /timing``), not in the request body: sglang-router rebuilds the body and drops
+fields it does not know.
 
 The load generator (``bench.loadgen``) runs in its own processes. The latency and
-max-req/s phases run with every process free to use every CPU (as deployed: the sidecar
-shares the machine). The CPU phases pin the proxy / nginx to CPU 0 and the load generator
-and the fake upstream to the others (on a machine with 2+ CPUs; ``--no-pin`` turns this
-off), so the target's own accounting is not inflated by fighting its clients for a core.
+throughput phases run with every process free to use every CPU (as deployed: the sidecar
+shares the machine). The CPU phases pin the target to CPU 0 and the load generator and
+the fake upstream to the others (on a machine with 2+ CPUs; ``--no-pin`` turns this off),
+so the target's own accounting is not inflated by fighting its clients for a core.
 
-    python -m bench.overhead            # full run, about 3-4 minutes on 2 cores
+    python -m bench.overhead            # full run, 5-7 minutes on 2 cores
     python -m bench.overhead --quick    # about 1 minute
 """
 
@@ -59,16 +73,20 @@ TARGETS_SPEC = {
 
 @dataclass
 class Sizes:
+    """How much of each phase: ``rounds`` (medians over them), requests at concurrency 1
+    (``lat_requests``) and 8 (``cpu_requests``), ``streams`` at 16, seconds of each
+    concurrency-32 throughput phase (``throughput_s``), ``idle_streams`` held."""
+
     rounds: int
     lat_requests: int
     cpu_requests: int
     streams: int
-    maxrps_s: float
+    throughput_s: float
     idle_streams: int
 
 
-FULL = Sizes(rounds=3, lat_requests=2000, cpu_requests=5000, streams=500, maxrps_s=4.0, idle_streams=10000)
-QUICK = Sizes(rounds=1, lat_requests=800, cpu_requests=2000, streams=200, maxrps_s=2.0, idle_streams=2000)
+FULL = Sizes(rounds=3, lat_requests=2000, cpu_requests=5000, streams=500, throughput_s=4.0, idle_streams=10000)
+QUICK = Sizes(rounds=1, lat_requests=800, cpu_requests=2000, streams=200, throughput_s=2.0, idle_streams=2000)
 
 
 class Target:
@@ -125,19 +143,43 @@ def _phase(pool: LoadPool, spec: LoadSpec, target: Target, procs: int = 1) -> di
     return s
 
 
-def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, proxy_src: str | None = None) -> dict:
+def _set_timing(upstream_url: str, **timing) -> None:
+    """Set the fake upstream's default timing (``POST /timing``)."""
+    h.wait_http_200(upstream_url + "/timing", 10, body=timing)
+
+
+def nginx_version(binary: str) -> str | None:
+    """``1.22.1`` from ``nginx -v`` (it writes to stderr), or ``None``."""
+    import subprocess
+
+    try:
+        out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = out.stderr + out.stdout
+    return text.rsplit("/", 1)[-1].strip() if "/" in text else None
+
+
+def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, proxy_src: str | None = None,
+            routers: bool = True, routers_venv: Path = h.ROUTERS_VENV, router_policy: str = "round_robin") -> dict:
+    """Run every phase against every target (see the module docstring) and return the
+    results: ``rows`` (one per target: ``added_p50_ms``, ``cpu_ms_per_request``,
+    ``cpu_ms_per_stream``, ``req_per_s_c32``, ``streams_per_s_c32``, ...; ms, req/s),
+    ``ratios`` (llm-qos to the best Rust router and to nginx), ``versions``, notes on what
+    was skipped, ``idle`` and ``admission_us``."""
     h.raise_nofile()
     all_cpus = os.sched_getaffinity(0)
     pin = pin and len(all_cpus) >= 2
     target_cpus = {min(all_cpus)}
     other_cpus = all_cpus - target_cpus
     results: dict = {"sizes": sizes.__dict__, "pinned": pin, "cpus": len(all_cpus), "python": sys.version.split()[0],
-                     "loadavg_before": os.getloadavg()[0]}
+                     "loadavg_before": os.getloadavg()[0], "versions": {}, "routers": {}, "router_commands": {}}
     with tempfile.TemporaryDirectory(prefix="llmqos-bench-") as tmp:
         wd = Path(tmp)
         up_port, px_port, ng_port = h.free_port(), h.free_port(), h.free_port()
         upstream_url = f"http://127.0.0.1:{up_port}"
         up = proxy = nginx = None
+        started_routers: list = []
         try:
             up = h.start_fake_upstream(up_port, wd)
             cfg = h.write_proxy_config(wd / "bench.yaml", upstream_url, max_inflight=4096, max_queue=10000)
@@ -148,12 +190,32 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
                 nginx = h.Nginx(binary, ng_port, up_port, wd)
                 targets.append(Target("nginx", f"http://127.0.0.1:{ng_port}", nginx.pids))
                 results["nginx"] = "installed"
+                results["versions"]["nginx"] = nginx_version(binary)
             else:
                 results["nginx"] = "skipped: nginx is not installed (apt-get install -y nginx)" if use_nginx else "skipped (--no-nginx)"
                 log(f"note: nginx {results['nginx']}")
+            for name in h.ROUTERS:
+                version = h.router_version(name, routers_venv) if routers else None
+                if version is None:
+                    results["routers"][name] = (
+                        f"skipped: not installed in {routers_venv} (make bench-routers)" if routers else "skipped (--no-routers)"
+                    )
+                    log(f"note: {name} {results['routers'][name]}")
+                    continue
+                try:
+                    router = h.RustRouter(name, h.free_port(), upstream_url, wd, policy=router_policy, venv=routers_venv)
+                except RuntimeError as e:
+                    results["routers"][name] = f"skipped: did not start: {str(e)[:500]}"
+                    log(f"note: {name} {results['routers'][name]}")
+                    continue
+                started_routers.append(router)
+                targets.append(Target(name, router.url, router.pids))
+                results["routers"][name] = "installed"
+                results["versions"][name] = version
+                results["router_commands"][name] = " ".join(router.cmd)
 
             def place(pinned: bool) -> list | None:
-                """Pinned: the proxies on CPU 0, the upstream (and the load, via the
+                """Pinned: the targets on CPU 0, the upstream (and the load, via the
                 returned CPU list) on the others. Otherwise everything floats."""
                 for t in targets:
                     for pid in t.pids or ():
@@ -164,29 +226,29 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
             with LoadPool(2) as pool:
                 base = LoadSpec(url="", keys=h.KEYS, timeout_s=30.0)
                 place(False)
+                _set_timing(upstream_url, stream_itl_s=0.0)
                 for t in targets:  # warm-up: connections open, code paths hot
                     pool.run(replace(base, url=t.url, concurrency=8, requests=400, duration_s=10))
                     pool.run(replace(base, url=t.url, concurrency=8, requests=40, duration_s=10, stream=True, max_tokens=8))
-                # (spec, load processes, pinned)
+                streams = replace(base, stream=True, max_tokens=STREAM_TOKENS)
+                # name: (spec, load processes, pinned, upstream pause between a stream's tokens)
                 phases = {
-                    "lat": (replace(base, concurrency=1, requests=sizes.lat_requests, duration_s=20), 1, False),
-                    "cpu": (replace(base, concurrency=8, requests=sizes.cpu_requests, duration_s=30), 1, pin),
-                    "stream": (
-                        replace(base, concurrency=16, requests=sizes.streams, duration_s=30, stream=True, max_tokens=STREAM_TOKENS, fake={"itl_s": STREAM_ITL_S}),
-                        1,
-                        pin,
-                    ),
-                    "maxrps": (replace(base, concurrency=64, duration_s=sizes.maxrps_s), 2, False),
+                    "lat": (replace(base, concurrency=1, requests=sizes.lat_requests, duration_s=20), 1, False, 0.0),
+                    "cpu": (replace(base, concurrency=8, requests=sizes.cpu_requests, duration_s=30), 1, pin, 0.0),
+                    "stream": (replace(streams, concurrency=16, requests=sizes.streams, duration_s=30), 1, pin, STREAM_ITL_S),
+                    "rps32": (replace(base, concurrency=32, duration_s=sizes.throughput_s), 2, False, 0.0),
+                    "streams32": (replace(streams, concurrency=32, duration_s=sizes.throughput_s), 2, False, 0.0),
                 }
                 raw: dict = {t.name: {p: [] for p in phases} for t in targets}
                 for r in range(sizes.rounds):
-                    for pname, (spec, procs, pinned) in phases.items():
+                    for pname, (spec, procs, pinned, itl) in phases.items():
                         spec = replace(spec, cpus=place(pinned))
+                        _set_timing(upstream_url, stream_itl_s=itl)
                         order = targets[r % len(targets):] + targets[: r % len(targets)]  # alternate who goes first
                         for t in order:
                             s = _phase(pool, spec, t, procs)
                             raw[t.name][pname].append(s)
-                            log(f"round {r + 1}/{sizes.rounds} {pname:6s} {t.name:8s} ok={s['ok']:6d} req/s={s['req_per_s']:8.1f} "
+                            log(f"round {r + 1}/{sizes.rounds} {pname:9s} {t.name:13s} ok={s['ok']:6d} req/s={s['req_per_s']:8.1f} "
                                 f"p50={s['p50_ms']}ms p99={s['p99_ms']}ms errors={s['errors'] or '-'}"
                                 + ("" if s["cpu_s"] is None else f" cpu={s['cpu_s']:.2f}s"))
                 place(False)
@@ -199,7 +261,8 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
                     "added_p50_ms": None if t.name == "direct" else _median(
                         [s["p50_ms"] - dd["p50_ms"] for s, dd in zip(d["lat"], raw["direct"]["lat"])]
                     ),
-                    "max_req_per_s": _median([s["req_per_s"] for s in d["maxrps"]]),
+                    "req_per_s_c32": _median([s["req_per_s"] for s in d["rps32"]]),
+                    "streams_per_s_c32": _median([s["req_per_s"] for s in d["streams32"]]),
                     "stream_ttft_p50_ms": _median([s["ttft_p50_ms"] for s in d["stream"]]),
                     "errors": sum(sum(s["errors"].values()) for p in d.values() for s in p),
                 }
@@ -208,13 +271,18 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
                     row["cpu_ms_per_request_c1"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["lat"] if s["ok"]])
                     row["cpu_ms_per_stream"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["stream"] if s["ok"]])
                     row["cpu_us_per_chunk"] = None if row["cpu_ms_per_stream"] is None else row["cpu_ms_per_stream"] * 1000 / STREAM_EVENTS
+                    # unpinned, no pause between tokens (the upstream's writes may coalesce)
+                    row["cpu_ms_per_stream_c32"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["streams32"] if s["ok"]])
                     row["rss_mib"] = round(sum(h.mem_kib(p)["VmRSS"] for p in t.pids) / 1024, 1)
                 rows[t.name] = row
             results["rows"] = rows
+            results["ratios"] = ratios(rows)
         finally:
             h.stop(proxy)
             if nginx is not None:
                 nginx.stop()
+            for router in started_routers:
+                router.stop()
             h.stop(up)
     if idle:
         from .idle_streams import run as idle_run
@@ -223,6 +291,44 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
         results["idle"] = idle_run(streams=sizes.idle_streams, proxy_src=proxy_src)
     results["admission_us"] = admission_micro()
     return results
+
+
+# issue 22's bar for llm-qos against the best Rust router: (row key, kind, limit);
+# kind "ratio_max": llm-qos / best <= limit (lower is better), "ratio_min": llm-qos / best
+# >= limit (higher is better), "diff_max": llm-qos - best <= limit
+RUST_BAR = {
+    "cpu_ms_per_request": ("ratio_max", 2.0),
+    "cpu_ms_per_stream": ("ratio_max", 1.0),
+    "streams_per_s_c32": ("ratio_min", 1.0),
+    "added_p50_ms": ("diff_max", 0.2),
+    "req_per_s_c32": ("ratio_min", None),  # no bar: shown for the record
+}
+
+
+def ratios(rows: dict) -> dict:
+    """llm-qos against references: ``best_rust`` (per figure, the best of the Rust
+    routers measured) and ``nginx``. For each figure of :data:`RUST_BAR`: the reference
+    target, its value, llm-qos's, and ``ratio`` (llm-qos / reference) or, for the added
+    p50, ``diff_ms`` (llm-qos - reference). Empty where the reference was not measured."""
+    mine = rows.get("llm-qos")
+    out: dict = {"best_rust": {}, "nginx": {}}
+    if not mine:
+        return out
+    rust = [n for n in h.ROUTERS if n in rows]
+    for key, (kind, _) in RUST_BAR.items():
+        higher_better = kind == "ratio_min"
+        for ref, names in (("best_rust", rust), ("nginx", ["nginx"] if "nginx" in rows else [])):
+            vals = [(rows[n][key], n) for n in names if rows[n].get(key) is not None]
+            if not vals or mine.get(key) is None:
+                continue
+            v, n = max(vals) if higher_better else min(vals)
+            entry = {"target": n, "value": v, "llm_qos": mine[key]}
+            if kind == "diff_max":
+                entry["diff_ms"] = mine[key] - v
+            else:
+                entry["ratio"] = mine[key] / v if v else None
+            out[ref][key] = entry
+    return out
 
 
 IDLE_TARGET_STREAMS = 10000
@@ -243,20 +349,55 @@ def _fmt(v, nd=2) -> str:
     return str(v)
 
 
+def _name(results: dict, name: str) -> str:
+    v = results.get("versions", {}).get(name)
+    return f"{name} {v}" if v else name
+
+
 def table(results: dict) -> str:
+    """The run as Markdown: issue 22's table, the ratios of llm-qos to the best Rust
+    router and to nginx, then the details (p50/p99, per chunk, RSS), idle streams and the
+    admission decision."""
+    rows = results["rows"]
     lines = [
-        "| target | p50 c=1 (ms) | added p50 (ms) | CPU / request (ms) | CPU / 64-token stream (ms) | CPU / chunk (µs) | max req/s | RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| target | added p50 at c=1 (ms) | CPU per non-streaming request (ms) | CPU per 64-token stream (ms) "
+        "| non-streaming req/s (c=32) | streams/s (c=32) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, r in results["rows"].items():
+    for name, r in rows.items():
+        bold = "**" if name == "llm-qos" else ""
+        added = r["added_p50_ms"]
         lines.append(
-            f"| {name} | {_fmt(r['p50_ms_c1'], 3)} | {_fmt(r['added_p50_ms'], 3)} | {_fmt(r.get('cpu_ms_per_request'), 3)} | "
-            f"{_fmt(r.get('cpu_ms_per_stream'))} | {_fmt(r.get('cpu_us_per_chunk'), 1)} | {_fmt(r['max_req_per_s'], 0)} | {_fmt(r.get('rss_mib'), 1)} |"
+            f"| {bold}{_name(results, name)}{bold} | {'—' if added is None else f'{added:+.2f}'} | {_fmt(r.get('cpu_ms_per_request'), 3)} | "
+            f"{_fmt(r.get('cpu_ms_per_stream'), 3)} | {_fmt(r['req_per_s_c32'], 0)} | {_fmt(r['streams_per_s_c32'], 0)} |"
         )
     out = "\n".join(lines)
-    c1 = [f"{n} {r['cpu_ms_per_request_c1']:.3f} ms" for n, r in results["rows"].items() if r.get("cpu_ms_per_request_c1") is not None]
-    if c1:
-        out += "\n\nCPU per request at concurrency 1 (every request wakes an idle process): " + ", ".join(c1)
+    labels = {
+        "cpu_ms_per_request": "CPU per request", "cpu_ms_per_stream": "CPU per stream",
+        "streams_per_s_c32": "streams/s", "req_per_s_c32": "req/s", "added_p50_ms": "added p50",
+    }
+    for ref, title in (("best_rust", "the best Rust router"), ("nginx", "nginx")):
+        rat = results.get("ratios", {}).get(ref) or {}
+        if not rat:
+            continue
+        parts = []
+        for key, e in rat.items():
+            if "diff_ms" in e:
+                parts.append(f"{labels[key]} {e['diff_ms']:+.2f} ms ({e['target']})")
+            elif e.get("ratio") is not None:
+                parts.append(f"{labels[key]} {e['ratio']:.2f}x ({e['target']})")
+        out += f"\n\nllm-qos / {title}: " + ", ".join(parts)
+    out += (
+        "\n\n| target | p50 c=1 (ms) | p99 c=1 (ms) | CPU / request at c=1 (ms) | CPU / chunk (µs) | stream TTFT p50 (ms) "
+        "| CPU / stream at c=32, no token pause (ms) | RSS (MiB) | errors |"
+        "\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    for name, r in rows.items():
+        out += (
+            f"\n| {name} | {_fmt(r['p50_ms_c1'], 3)} | {_fmt(r['p99_ms_c1'], 3)} | {_fmt(r.get('cpu_ms_per_request_c1'), 3)} | "
+            f"{_fmt(r.get('cpu_us_per_chunk'), 1)} | {_fmt(r['stream_ttft_p50_ms'], 2)} | {_fmt(r.get('cpu_ms_per_stream_c32'), 3)} | "
+            f"{_fmt(r.get('rss_mib'), 1)} | {r['errors']} |"
+        )
     idle = results.get("idle")
     if idle:
         extra = ""
@@ -273,6 +414,8 @@ def table(results: dict) -> str:
 
 
 def verdict(results: dict) -> list[str]:
+    """PASS/FAIL lines: the absolute targets (:data:`TARGETS_SPEC`), then issue 22's bar
+    against the best Rust router (:data:`RUST_BAR`) where routers were measured."""
     r = results["rows"]["llm-qos"]
     idle = results.get("idle")
     checks = [
@@ -289,6 +432,23 @@ def verdict(results: dict) -> list[str]:
             out.append(f"  {what}: not measured")
         else:
             out.append(f"  {'PASS' if v <= limit else 'FAIL'} {what}: {v:.3g} {unit} (target <= {limit:g} {unit})")
+    rat = results.get("ratios", {}).get("best_rust") or {}
+    names = {
+        "cpu_ms_per_request": "CPU per non-streaming request", "cpu_ms_per_stream": "CPU per 64-token stream",
+        "streams_per_s_c32": "streams/s (c=32)", "added_p50_ms": "added p50 at concurrency 1",
+    }
+    for key, (kind, limit) in RUST_BAR.items():
+        e = rat.get(key)
+        if limit is None:
+            continue
+        if e is None:
+            out.append(f"  {names[key]} against the best Rust router: not measured")
+        elif kind == "diff_max":
+            out.append(f"  {'PASS' if e['diff_ms'] <= limit else 'FAIL'} {names[key]}: {e['diff_ms']:+.2f} ms against {e['target']} (target <= +{limit:g} ms)")
+        elif e.get("ratio") is not None:
+            ok = e["ratio"] <= limit if kind == "ratio_max" else e["ratio"] >= limit
+            sign = "<=" if kind == "ratio_max" else ">="
+            out.append(f"  {'PASS' if ok else 'FAIL'} {names[key]}: {e['ratio']:.2f}x {e['target']} (target {sign} {limit:g}x)")
     return out
 
 
@@ -298,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the target to its own CPU")
     ap.add_argument("--no-nginx", dest="nginx", action="store_false")
+    ap.add_argument("--no-routers", dest="routers", action="store_false", help="skip vllm-router and sglang-router")
+    ap.add_argument("--routers-venv", default=str(h.ROUTERS_VENV), help="the venv holding the Rust routers (make bench-routers)")
+    ap.add_argument("--router-policy", default="round_robin", help="--policy of both routers (their shipped default is cache_aware)")
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle-streams measurement")
     ap.add_argument("--idle-streams", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the raw results to this file")
@@ -309,9 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.idle_streams:
         sizes = replace(sizes, idle_streams=a.idle_streams)
     t0 = time.monotonic()
-    results = measure(sizes, a.pin, a.nginx, a.idle, log=lambda s: print(s, file=sys.stderr, flush=True), proxy_src=a.proxy_src)
+    results = measure(
+        sizes, a.pin, a.nginx, a.idle, log=lambda s: print(s, file=sys.stderr, flush=True), proxy_src=a.proxy_src,
+        routers=a.routers, routers_venv=Path(a.routers_venv), router_policy=a.router_policy,
+    )
     if a.proxy_src:
         results["proxy_src"] = a.proxy_src
+    results["router_policy"] = a.router_policy
     results["wall_s"] = round(time.monotonic() - t0, 1)
     print()
     if results["loadavg_before"] > 0.5 * results["cpus"]:
@@ -321,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{sizes.rounds} round(s) (medians), {results['wall_s']} s")
     if not results["nginx"].startswith("installed"):
         print(f"nginx: {results['nginx']}")
+    for name, note in results["routers"].items():
+        if note != "installed":
+            print(f"{name}: {note}")
+    if any(n in results["rows"] for n in h.ROUTERS):
+        print(f"Rust routers: --policy {a.router_policy}, one worker (the fake upstream)")
     print()
     print(table(results))
     print()
