@@ -157,6 +157,24 @@ def test_growth_never_jumps_past_a_batch_the_engine_showed():
     assert 128 in seen and seen[-1] == 128 + (len(seen) - 1 - seen.index(128))
 
 
+def test_a_low_reading_at_a_queue_does_not_lower_the_batch():
+    """Closed-loop requests of one length end in the same engine step and their
+    replacements arrive together: a reading then shows fewer running and some waiting
+    (vLLM's CPU build: 87 and 14, with 128 of ours in flight, all run a step later). The
+    cut follows the reading, but the limit goes back to the batch the engine ran, not
+    held at 87 for probe_after_s."""
+    c = CapacityController(ControlSettings(initial=128, ceiling=1024, probe_after_s=30))
+    for i in range(10):  # the engine runs 128 (ours and others'); nothing presses on the limit
+        c.step(obs(i * 0.5, inflight=60, engine_waiting=0, engine_running=128))
+    assert c.value == 128
+    for now in (5.0, 5.5):
+        c.step(obs(now, inflight=128, demand=True, engine_waiting=14, engine_running=87))
+    assert c.value == 87 and c.reason == REASON_ENGINE_QUEUE
+    for i in range(4):  # what was sent before the cut drains; the engine runs it all
+        c.step(obs(6 + i * 0.5, inflight=max(87, 128 - 20 * i), demand=True, engine_waiting=0, engine_running=128))
+    assert c.value == 128 and c.reason == REASON_STEADY  # held at its batch, not at 87
+
+
 def test_a_request_arriving_mid_step_is_no_queue():
     """vLLM counts a request that arrived during its step as waiting until the next step:
     readings of waiting 1 and 0 alternating are arrivals, not a full batch."""
@@ -396,7 +414,7 @@ def test_default_headroom_grows_with_rank_and_is_configurable():
             }
         )
     )
-    assert [g.headroom for g in cfg.to_policy().groups] == pytest.approx([0.0, 0.05, 0.3, 0.15, 0.2, 0.25, 0.25])
+    assert [g.headroom for g in cfg.to_policy().groups] == pytest.approx([0.0, 0.025, 0.3, 0.075, 0.1, 0.1, 0.1])
 
 
 def test_max_inflight_is_an_optional_ceiling():
