@@ -708,16 +708,51 @@ async def measure(engine_url: str, proxy_url: str, model: str, rows: list[str], 
         ctx = Ctx(session, engine_url, proxy_url, model, a.duration, warmup, a.fair_streams, a.seed, pids)
         base = {p: await unloaded(ctx, p) for p in ("direct", "proxy")}
         print(f"unloaded platinum TTFT: direct p50 {base['direct']['p50_s']} s, proxy p50 {base['proxy']['p50_s']} s", file=sys.stderr, flush=True)
-        results = []
+        runs = []
         for row in rows:
-            for path in ("direct", "proxy"):
-                r = await run_row(ctx, row, path)
-                results.append(r)
-                brief = (f"alice {r['alice_share']}" if row == "fairness" else
-                         f"TTFT p50/p90 {r['ttft_p50_s']}/{r['ttft_p90_s']} s, bronze {r['bronze_tok_s']} tok/s")
-                print(f"  {row:10} {path:6}: {brief}, engine waiting {r['num_requests_waiting']}, errors {r['errors']}",
-                      file=sys.stderr, flush=True)
-    return {"unloaded": base, "results": results, "warmup_s": warmup}
+            for k in range(a.repeats):
+                # alternating order (direct, proxy, proxy, direct, ...): a machine whose
+                # speed drifts during a row pair slows both paths alike
+                for path in (("direct", "proxy") if k % 2 == 0 else ("proxy", "direct")):
+                    r = await run_row(ctx, row, path)
+                    r["repeat"] = k
+                    runs.append(r)
+                    brief = (f"alice {r['alice_share']}" if row == "fairness" else
+                             f"TTFT p50/p90 {r['ttft_p50_s']}/{r['ttft_p90_s']} s, bronze {r['bronze_tok_s']} tok/s")
+                    print(f"  {row:10} {path:6} #{k}: {brief}, engine waiting {r['num_requests_waiting']}, errors {r['errors']}",
+                          file=sys.stderr, flush=True)
+    results = [merge_runs([r for r in runs if r["row"] == row and r["path"] == path]) for row in rows for path in ("direct", "proxy")]
+    return {"unloaded": base, "results": results, "runs": runs, "warmup_s": warmup}
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One row's figures over its repeats on one path: token rates and alice's share are
+    the means of the repeats; TTFT percentiles over every repeat's probes together;
+    engine and proxy figures: the mean of the means and the largest max. The first
+    repeat's series (capacity, tokens per second) are kept for the plot."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    out["repeats"] = len(runs)
+
+    def mean(key: str) -> float | None:
+        xs = [r[key] for r in runs if r.get(key) is not None]
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    for key in ("bronze_tok_s", "platinum_tok_s", "alice_share"):
+        if key in out:
+            out[key] = mean(key)
+    if "alice_share_windows" in out:
+        out["alice_share_windows"] = [w for r in runs for w in r["alice_share_windows"]]
+    if "probe_ttfts_s" in out:
+        ttfts = [p[1] for r in runs for p in r["probe_ttfts_s"] if p[0] >= r["warmup_s"] and p[1] is not None]
+        out["ttft_p50_s"], out["ttft_p90_s"] = _r(percentile(ttfts, 50)), _r(percentile(ttfts, 90))
+        out["probes"] = {k: sum(r["probes"][k] for r in runs) for k in runs[0]["probes"]}
+    for key in [k for k, v in runs[0].items() if isinstance(v, dict) and set(v) >= {"mean", "max"}]:
+        vals = [r[key] for r in runs if r.get(key) and r[key].get("mean") is not None]
+        if vals:
+            out[key] = {**vals[0], "mean": round(sum(v["mean"] for v in vals) / len(vals), 3), "max": max(v["max"] for v in vals)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,8 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="default bench/out/real_engine.json (real_engine_quick.json with --quick)")
     ap.add_argument("--plot", type=Path, default=None, help="default docs/img/real_engine.png (bench/out/real_engine_quick.png with --quick)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each row on each path, in alternating order (default 2; 1 with --quick)")
     a = ap.parse_args(argv)
     a.duration = min(600.0, a.duration if a.duration is not None else (10.0 if a.quick else 40.0))
+    a.repeats = max(1, min(5, a.repeats if a.repeats is not None else (1 if a.quick else 2)))
     rows = (a.rows.split(",") if a.rows else (QUICK_ROWS if a.quick else ALL_ROWS))
     bad = [r for r in rows if r not in ALL_ROWS]
     if bad or a.duration < 5 or not 1 <= a.fair_streams <= 512:
@@ -773,10 +810,10 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_s": data["warmup_s"], "rows": rows, "seed": a.seed, "targets": tg, "all_targets_met": ok,
             "unloaded": data["unloaded"], "workdir": str(workdir)}
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({**meta, "results": data["results"]}, indent=1) + "\n")
+    json_path.write_text(json.dumps({**meta, "repeats": a.repeats, "results": data["results"], "runs": data["runs"]}, indent=1) + "\n")
     plot(data["results"], base, tg, plot_path)
     print(f"vLLM 0.32 CPU build, {model}, {os.cpu_count()} CPUs ({cpu_model}); load average before {load_before[0]:.2f}; "
-          f"{a.duration:g} s per row, first {data['warmup_s']:g} s not counted")
+          f"{a.duration:g} s per row, first {data['warmup_s']:g} s not counted, {a.repeats} run(s) of each row on each path in alternating order")
     print(f"unloaded platinum TTFT: direct {base} s, through the proxy {data['unloaded']['proxy']['p50_s']} s (p50 of {UNLOADED_PROBES})")
     print(f"targets: p50 <= {tg['ttft_p50_max_s']} s, p90 <= {tg['ttft_p90_max_s']} s, bronze tok/s >= 90 % of direct, "
           f"engine waiting mean <= {WAITING_NEAR_ZERO:g}, alice 75 ± 5 %\n")
