@@ -19,6 +19,12 @@ class TokenBucket:
     ``n`` and may go negative, which delays later takes until the debt is refilled. This
     lets the caller charge an estimate first and correct it later with :meth:`adjust`.
 
+    This is the one statement of the rule in Python: the refill (:meth:`refilled`) and the
+    wait (:meth:`wait_for`) are also what :class:`proxy.shared.rate_limits.Mirror` applies
+    to levels read from Redis. Its Lua twin, which Redis runs for the shared limits, is
+    ``proxy/shared/lua/bucket.lua`` (with the takes and corrections of ``reserve.lua`` and
+    ``adjust.lua``); ``tests/test_shared_lua.py`` holds the two to the same answers.
+
     Args:
         capacity: burst size (units).
         rate_per_s: refill rate (units per second), > 0.
@@ -34,22 +40,39 @@ class TokenBucket:
         self.updated_at = now
 
     @classmethod
-    def per_minute(cls, per_minute: float, now: float) -> "TokenBucket":
-        """A bucket allowing ``per_minute`` units per minute with a one-minute burst."""
-        return cls(per_minute, per_minute / 60.0, now)
+    def per_minute(cls, per_minute: float, now: float, level: float | None = None) -> "TokenBucket":
+        """A bucket allowing ``per_minute`` units per minute with a one-minute burst; full,
+        or at ``level`` (clipped at the capacity; may be a debt)."""
+        b = cls(per_minute, per_minute / 60.0, now)
+        if level is not None:
+            b.level = min(per_minute, level)
+        return b
+
+    @staticmethod
+    def refilled(level: float, capacity: float, rate_per_s: float, elapsed_s: float) -> float:
+        """The level ``elapsed_s`` seconds after it was ``level``: refilled at
+        ``rate_per_s`` and clipped at ``capacity`` (no time, or time going backwards,
+        refills nothing; a level above the capacity, as after a lower limit, is clipped)."""
+        return min(capacity, level + max(0.0, elapsed_s) * rate_per_s)
+
+    @staticmethod
+    def wait_for(level: float, n: float, capacity: float, rate_per_s: float) -> float:
+        """Seconds until a bucket at ``level`` allows a take of ``n`` units: 0.0 when the
+        level covers ``min(n, capacity)``, else the time the refill needs to get there."""
+        need = min(n, capacity)
+        if level >= need:
+            return 0.0
+        return (need - level) / rate_per_s
 
     def _refill(self, now: float) -> None:
         if now > self.updated_at:
-            self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+            self.level = self.refilled(self.level, self.capacity, self.rate_per_s, now - self.updated_at)
             self.updated_at = now
 
     def wait_time(self, n: float, now: float) -> float:
         """Seconds until a take of ``n`` units would be allowed (0.0 if allowed now)."""
         self._refill(now)
-        need = min(n, self.capacity)
-        if self.level >= need:
-            return 0.0
-        return (need - self.level) / self.rate_per_s
+        return self.wait_for(self.level, n, self.capacity, self.rate_per_s)
 
     def take(self, n: float, now: float) -> None:
         """Take ``n`` units unconditionally (call :meth:`wait_time` first)."""

@@ -4,7 +4,10 @@ and per group) kept in Redis, taken atomically before dispatch, corrected after.
 The bucket is :class:`qos.TokenBucket`'s, moved into a Lua script: capacity = the
 per-minute limit (one minute of burst), refilled continuously at limit / 60 per second,
 a take of n allowed when the level covers min(n, capacity), the level may go into debt,
-and a correction is clipped at the capacity. Time is Redis's ``TIME``.
+and a correction is clipped at the capacity. Time is Redis's ``TIME``. The scripts live
+in ``proxy/shared/lua/`` (``bucket.lua``, ``reserve.lua``, ``adjust.lua``; see
+:mod:`proxy.shared.lua`); the Python side here (the mirror's refill and wait, the local
+buckets) uses :class:`qos.TokenBucket`'s rule and restates none of it.
 
 - **reserve** (:data:`RESERVE_SCRIPT`, one round trip on the request's path): check every
   bucket the request touches (user and group, requests and tokens) and take from all of
@@ -170,8 +173,9 @@ class Mirror:
         if seen is None or now - seen[2] > (self.max_age_s if max_age_s is None else max_age_s):
             return None
         dt = now - seen[2]
-        r = min(b.requests_per_minute, seen[0] + dt * b.requests_per_minute / 60.0) if b.requests_per_minute else seen[0]
-        t = min(b.tokens_per_minute, seen[1] + dt * b.tokens_per_minute / 60.0) if b.tokens_per_minute else seen[1]
+        rpm, tpm = b.requests_per_minute, b.tokens_per_minute
+        r = TokenBucket.refilled(seen[0], rpm, rpm / 60.0, dt) if rpm else seen[0]
+        t = TokenBucket.refilled(seen[1], tpm, tpm / 60.0, dt) if tpm else seen[1]
         return r, t
 
     def check(self, buckets: tuple[Bucket, ...], tokens: int) -> None:
@@ -187,9 +191,9 @@ class Mirror:
             if lv is None:
                 continue
             for unit, level, limit, need in (("requests", lv[0], b.requests_per_minute, 1), ("tokens", lv[1], b.tokens_per_minute, tokens)):
-                if limit and level < min(need, limit):
-                    wait = (min(need, limit) - level) * 60.0 / limit
-                    if worst is None or wait > worst[0]:
+                if limit:
+                    wait = TokenBucket.wait_for(level, need, limit, limit / 60.0)
+                    if wait > 0 and (worst is None or wait > worst[0]):
                         worst = (wait, b.scope, unit)
         if worst is not None:
             raise RateLimited(*worst)
@@ -271,10 +275,7 @@ class LocalBuckets:
 def _bucket(per_minute: float, level: float | None, now: float) -> TokenBucket | None:
     if not per_minute:
         return None
-    b = TokenBucket.per_minute(per_minute, now)
-    if level is not None:
-        b.level = min(per_minute, level)
-    return b
+    return TokenBucket.per_minute(per_minute, now, level)
 
 
 def _reconfigured(bucket: TokenBucket | None, per_minute: float, now: float) -> TokenBucket | None:
