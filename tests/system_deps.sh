@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Debian packages the test suite runs for real: redis-server (shared QoS state between proxy
-# processes), chromium (the dashboard's browser test) and prometheus (promtool checks the
-# alert rules; a Prometheus server runs the dashboard's and the rules' queries). Installed
+# processes), chromium (the dashboard's browser test), prometheus (promtool checks the
+# alert rules; a Prometheus server runs the dashboard's and the rules' queries), and lua5.1
+# with lua-check (luac5.1 -p and luacheck lint the Redis scripts, proxy/shared/lua/). Installed
 # with apt-get when missing; each test starts its own server or browser on a free loopback
 # port. Idempotent.
 set -euo pipefail
@@ -9,6 +10,8 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need+=(prometheus)
+command -v luac5.1 >/dev/null 2>&1 || need+=(lua5.1)
+command -v luacheck >/dev/null 2>&1 || need+=(lua-check)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "tests need the Debian packages: ${need[*]} (run as root, or: sudo apt-get install -y ${need[*]})" >&2
