@@ -15,12 +15,15 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
 1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``
    in two reports in a row: a request that arrived during the engine's step waits for
    the next one, so one report alone is no queue) **or its KV cache is full** (at or above
-   ``saturated_at``): multiplicative decrease, and at once no more than what it runs,
-   ``limit <- max(floor, min(limit * backoff, running))``. For a queue, ``running`` is the
-   larger of what the two reports say the engine runs (every client's, so replicas
-   sharing it find the engine's whole capacity; our in flight less what waits when it does
-   not say), and one step takes at most half the limit (:data:`MAX_CUT`, TCP's halving);
-   for a full KV cache, our in flight. While more than the limit is still in flight (sent
+   ``saturated_at``): multiplicative decrease, and at once no more than the engine's
+   batch, ``limit <- max(floor, min(limit * backoff, batch))``. For a queue, ``batch`` is
+   the most the engine reported running (every client's, so replicas sharing it find the
+   engine's whole capacity; our in flight less what waits when it does not say) in the two
+   reports and the ``probe_after_s`` before them: a single reading at a burst can be low
+   (requests ending together, their replacements arriving in one engine step), and a cut
+   to it stops all dispatch for a whole generation. One step takes at most half the limit
+   (:data:`MAX_CUT`, TCP's halving). For a full KV cache, ``batch`` is our in flight.
+   While more than the limit is still in flight (sent
    before the cut, draining as it ends), the signals it causes cut no further: one cut per
    round trip, as TCP takes one loss event per window (rule 2 likewise). Nothing new is dispatched until requests end, so the queue stays in
    the proxy, ordered by priority and fair share, not in the engine's FIFO; with
@@ -54,8 +57,12 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    * at or above the batch: within ``probe_after_s`` of the queue it holds there (a
      request sent past the batch waits inside the engine, first come first served,
      whatever its priority); later it probes above by 1 per step (TCP's congestion
-     avoidance), so a probe puts no more than about two readings' worth of requests into
-     the engine's queue before the next cut.
+     avoidance), and only while the engine runs all the limit allows without queueing
+     (RFC 7661: a limit the load does not fill is not validated; one grown unfilled,
+     say while a lower group fills only its share below its headroom, is a burst sent
+     past the batch into the engine's FIFO when the load comes), so a probe puts no more
+     than about two readings' worth of requests into the engine's queue before the next
+     cut.
 
 4. Otherwise the limit holds.
 
@@ -227,7 +234,7 @@ class CapacityController:
         cut = None  # (target, reason, floor) of a decrease this step calls for
         if (running := self._queued(obs)) is not None:
             self._batch, self._full_at = max(running, self._batch_seen()), obs.now
-            cut = min(self.limit * s.backoff, max(running, self.limit * MAX_CUT)), REASON_ENGINE_QUEUE, s.floor
+            cut = min(self.limit * s.backoff, max(self._batch, self.limit * MAX_CUT)), REASON_ENGINE_QUEUE, s.floor
         elif self._last_queue is not None:
             self.reason = REASON_ENGINE_QUEUE  # one report of a queue: no growth, no cut yet
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
@@ -245,7 +252,12 @@ class CapacityController:
             elif self.limit < batch:
                 grown = min(batch, 2.0 * self.limit if recent else self.limit + max(1.0, math.sqrt(self.limit)))
             else:
-                grown = self.limit if recent else self.limit + 1.0
+                # above the batch only while the engine runs all the limit allows and does
+                # not queue (it can take more): a limit the load does not fill proves
+                # nothing (RFC 7661's validation), and one grown unfilled is a burst
+                # sent past the batch into the engine's FIFO when the load comes
+                used = obs.engine_running if obs.engine_running is not None else obs.inflight
+                grown = self.limit + 1.0 if not recent and used >= self.value else self.limit
             grown = min(float(s.ceiling), grown)
             if grown > self.limit:
                 self.limit, self.reason = grown, REASON_GROWING
