@@ -12,9 +12,10 @@ The rule (AIMD with a latency gradient, after Netflix's ``concurrency-limits``
 latency of an empty pipe: Brakmo & Peterson, "TCP Vegas: End to End Congestion Avoidance
 on a Global Internet", IEEE JSAC 13(8), 1995):
 
-1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``
-   in two reports in a row: a request that arrived during the engine's step waits for
-   the next one, so one report alone is no queue) **or its KV cache is full** (at or above
+1. **The engine queues** (it reports requests waiting inside it at or above ``queue_at``,
+   more than it has room for below the most it ran in the last ``probe_after_s``, in two
+   reports in a row: a request that arrived during the engine's step waits for the next
+   one, so one report alone, or waiting requests within its batch, are no queue) **or its KV cache is full** (at or above
    ``saturated_at``): multiplicative decrease, and at once no more than the engine's
    batch, ``limit <- max(floor, min(limit * backoff, batch))``. For a queue, ``batch`` is
    the most the engine reported running (every client's, so replicas sharing it find the
@@ -296,7 +297,12 @@ class CapacityController:
         reading alone is no queue), else ``None``. What it runs is the larger of the two
         reports' ``running`` (requests ending between steps make one reading low), or our
         in flight less what waits when the engine does not say. Every fresh report's
-        ``running`` also goes into the window of :meth:`_batch_seen`."""
+        ``running`` also goes into the window of :meth:`_batch_seen`, and a reading
+        counts as a queue only when what runs and waits is more than that batch: fewer
+        are arrivals the engine has room for, waiting for its next step (measured on
+        vLLM's CPU build, whose steps at a full batch last longer than the 0.5 s between
+        readings: 118 requests sent at once showed as waiting in two readings, and the
+        cut they caused kept platinum out for a whole generation)."""
         waiting = obs.engine_waiting
         if waiting is None:
             return None  # no fresh report: the last one stands for the next
@@ -310,7 +316,11 @@ class CapacityController:
         ran.append((obs.now, running))
         while obs.now - ran[0][0] > self.settings.probe_after_s:
             ran.popleft()
-        last, self._last_queue = self._last_queue, (running if obs.queue_at > 0 and waiting >= obs.queue_at else None)
+        # requests waiting while the engine runs fewer than it ran in the window are
+        # arrivals it has room for (they wait for its next step: a burst, or one step
+        # longer than our reading interval), not a queue: only those past its batch are
+        over = running + waiting > ran[0][1]
+        last, self._last_queue = self._last_queue, (running if obs.queue_at > 0 and waiting >= obs.queue_at and over else None)
         if self._last_queue is None or last is None:
             return None
         return max(running, last)
