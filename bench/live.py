@@ -31,7 +31,7 @@ from aiohttp import web
 
 from proxy.admission import Admission
 from proxy.app import create_app
-from proxy.config import config_digest, parse_config
+from proxy.config.schema import config_digest, parse_config
 from proxy.handlers import STATE
 
 from .policies import make_scheduler

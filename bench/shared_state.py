@@ -35,7 +35,7 @@ import time
 
 import redis
 
-from proxy.config import SharedStateConfig
+from proxy.config.schema import SharedStateConfig
 from proxy.shared import CapacityReport, ClassDemand, RateLimited, SharedState, StandaloneState, SyncReport
 from qos import RateLimit
 from tests.redis_server import RedisServer

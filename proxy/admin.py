@@ -12,9 +12,9 @@ import time
 
 from aiohttp import web
 
-from .config import SECRET_FIELDS
+from .config.schema import SECRET_FIELDS
 from .errors import error_response
-from .pool_config import public_url
+from .config.pools import public_url
 from .handlers import STATE
 
 REDACTED = "***"
@@ -37,9 +37,9 @@ def check_admin(request: web.Request) -> web.Response | None:
 
 def redacted_config(config) -> dict:
     """The config as a dict with every key and credential replaced by ``***``: the value
-    of every key named in :data:`proxy.config.SECRET_FIELDS`, wherever it is, and the
+    of every key named in :data:`proxy.config.schema.SECRET_FIELDS`, wherever it is, and the
     ``user:password@`` of ``shared_state.url`` and of every engine's URL
-    (:func:`proxy.pool_config.public_url`)."""
+    (:func:`proxy.config.pools.public_url`)."""
     data = _redacted(config.model_dump(mode="json"))
     if isinstance(data.get("upstream"), dict) and data["upstream"].get("url"):
         data["upstream"]["url"] = public_url(data["upstream"]["url"])

@@ -59,7 +59,7 @@ from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, Tick
 from qos.rate_limit import RateLimiter
 
 from .errors import retry_after_seconds
-from .pool_config import PoolSpec
+from .config.pools import PoolSpec
 from .router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit
 
@@ -164,7 +164,7 @@ class Admission:
 
     Args:
         policy: the initial scheduler policy (groups, users, weights, limits).
-        pools: the resolved pools (:meth:`proxy.config.Config.effective_pools`), at least one.
+        pools: the resolved pools (:meth:`proxy.config.schema.Config.effective_pools`), at least one.
         clock: monotonic clock in seconds (the schedulers').
         rate_limiter: the rate limits every pool reserves from (default: one private
             :class:`qos.RateLimiter` of ``2 * policy.max_users + 64`` buckets, resized with

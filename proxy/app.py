@@ -7,7 +7,7 @@ import logging
 from aiohttp import web
 
 from . import admin, dashboard, handlers, openapi
-from .config import Config
+from .config.schema import Config
 from .errors import error_response
 from .handlers import STATE
 from .load_signal import LOAD_SIGNAL, LoadSignal

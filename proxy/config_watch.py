@@ -15,7 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from .config import ConfigError, config_digest, parse_config
+from .config.schema import ConfigError, config_digest, parse_config
 from .metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 

@@ -5,7 +5,7 @@ and random source), and :class:`HealthChecker`, the asyncio side that sends the 
 checks and probes it asks for, one task per engine, each sleeping until its next check
 is due or its state changes (an event: no polling loop).
 
-The rule (``pools[].health``, :class:`proxy.pool_config.HealthConfig`):
+The rule (``pools[].health``, :class:`proxy.config.pools.HealthConfig`):
 
 * **Passive.** Every request the relay sends reports its result
   (:meth:`EngineHealth.record_request`). A failure is: the connection refused or reset
@@ -63,7 +63,7 @@ from typing import Any
 
 import aiohttp
 
-from .pool_config import HealthConfig
+from .config.pools import HealthConfig
 
 log = logging.getLogger("llm_qos.engine_health")
 

@@ -46,7 +46,7 @@ from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
 from .errors import error_response, retry_after_seconds
 from .model_routing import ModelTable, Route, model_error, parse_models_body
-from .pool_config import public_url
+from .config.pools import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from .errors import error_response
-from .pool_config import CATCH_ALL, PoolSpec
+from .config.pools import CATCH_ALL, PoolSpec
 
 MAX_LISTED = 10_000  # entries taken from one engine's models list
 
@@ -48,7 +48,7 @@ class ModelTable:
     """The model names of a config's pools (build one per config, on load and reload).
 
     Args:
-        pools: the resolved pools (:meth:`proxy.config.Config.effective_pools`); the config
+        pools: the resolved pools (:meth:`proxy.config.schema.Config.effective_pools`); the config
             validator has already refused a name in two pools and two catch-alls.
     """
 

@@ -43,7 +43,7 @@ from .request_body import (
 from .sse import OpaqueStream, SSEScanner, parse_event, take_events
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config.schema import Config
     from .relay import StreamScanner
 
 #: OpenAI: an embeddings ``input`` array holds at most 2048 entries.
@@ -493,7 +493,7 @@ class RequestKind:
         name: the kind (``chat``, ``completion``, ``generate``, ``embeddings``,
             ``responses``, ``passthrough``): the access log's ``kind``.
         path: the upstream path; ``None``: the client's own path (pass-through).
-        parse: ``(body, config) -> ParsedRequest`` (:class:`proxy.config.Config`).
+        parse: ``(body, config) -> ParsedRequest`` (:class:`proxy.config.schema.Config`).
             Raises :class:`proxy.request_body.BadRequest`.
         cap: applies a group's ``max_tokens`` cap, ``(parsed, cap, reject) ->
             ParsedRequest``; ``None``: nothing for the cap to bound (embeddings,

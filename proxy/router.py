@@ -76,7 +76,7 @@ from qos.capacity_control import fixed as fixed_capacity
 
 from .engine_health import EngineHealth, Health, max_passive_ejections
 from .engine_meter import EngineMeter
-from .pool_config import EngineSpec, PoolSpec, RoutingConfig, public_url
+from .config.pools import EngineSpec, PoolSpec, RoutingConfig, public_url
 
 
 class Reservable(Protocol):
@@ -97,7 +97,7 @@ class EngineState:
     """One engine as the router sees it. Identity-compared.
 
     Attributes:
-        spec: its resolved config (:class:`proxy.pool_config.EngineSpec`).
+        spec: its resolved config (:class:`proxy.config.pools.EngineSpec`).
         health: its :class:`proxy.engine_health.EngineHealth`.
         inflight: requests placed on it and not released.
         inflight_tokens: their reserved tokens.

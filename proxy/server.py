@@ -16,10 +16,10 @@ from . import log_filters
 from . import log_format as log_format_module
 from .admin import RELOADER
 from .app import create_app
-from .config import config_digest, parse_config
+from .config.schema import config_digest, parse_config
 from .config_watch import reload_config, watch_config
 from .handlers import STATE
-from .pool_config import public_url
+from .config.pools import public_url
 from .workers import start_worker_socket
 
 log = logging.getLogger("llm_qos.proxy")
@@ -153,7 +153,7 @@ def run(
 
     ``log_format`` and ``access_log``: see :func:`configure_logging`; ``worker``: see
     :func:`serve`."""
-    from .config import ConfigError
+    from .config.schema import ConfigError
 
     try:
         configure_logging(log_format, access_log, worker[0] if worker else None)

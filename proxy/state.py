@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from . import engine_metrics
 from .admission import Admission, Pool, Preemption
 from .capacity_leases import BoundPool, LeaseBinding
-from .config import Config, with_upstream_urls
+from .config.schema import Config, with_upstream_urls
 from .engine_health import HealthChecker
 from .identity import IdentityResolver
 from .metrics import Metrics, SharedStateCollector
 from .model_routing import ModelTable
-from .pool_config import public_url
+from .config.pools import public_url
 from .router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .shared_limits import SharedRateLimiter
@@ -52,7 +52,7 @@ class ProxyState:
         digest: its file's hash, if loaded from a file.
         config_path: the file it came from (for reloads), or ``None``.
         upstream_override: upstream URL(s) applied on every load (the CLI's
-            ``--upstream``; several make a pool: :func:`proxy.config.with_upstream_urls`).
+            ``--upstream``; several make a pool: :func:`proxy.config.schema.with_upstream_urls`).
         worker: (index, count) for one of ``--workers`` processes (each is a replica of
             the deployment: it assumes at least ``count`` replicas before Redis says).
 

@@ -32,8 +32,8 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from .config import UpstreamConfig
-from .pool_config import public_url
+from .config.schema import UpstreamConfig
+from .config.pools import public_url
 from .relay_headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from .config import UpstreamConfig
+from .config.schema import UpstreamConfig
 from .request_body import BadRequest, ParsedRequest
 
 # statuses with which engines refuse a request's shape before generating: OpenAI-style

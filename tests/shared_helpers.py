@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from proxy.config import SharedStateConfig
+from proxy.config.schema import SharedStateConfig
 from proxy.shared import CapacityReport, ClassDemand, SharedState, SyncReport
 
 KEY = "engine:test:slots"

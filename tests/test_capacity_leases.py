@@ -8,7 +8,7 @@ import dataclasses
 import yaml
 
 from proxy.capacity_leases import BoundPool, LeaseBinding
-from proxy.config import parse_config
+from proxy.config.schema import parse_config
 from proxy.router import PoolRouter
 from proxy.shared import StandaloneState
 from qos import Scheduler

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.config import parse_config
+from proxy.config.schema import parse_config
 from proxy.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
-from proxy.pool_config import HealthConfig
+from proxy.config.pools import HealthConfig
 from proxy.router import PoolRouter
 from tests.conftest import base_config, wait_until
 from tests.proc_util import die_with_parent, free_port, wait_for_line

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import engine_metrics
 from proxy.app import create_app
-from proxy.config import parse_config
+from proxy.config.schema import parse_config
 from proxy.dashboard import DASHBOARD, ENGINE_FIELDS
 from proxy.engine_health import Health
 from proxy.router import PoolRouter

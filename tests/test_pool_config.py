@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from proxy.admin import REDACTED, redacted_config
-from proxy.config import Config, ConfigError, load_config, parse_config, with_upstream_urls
-from proxy.pool_config import CATCH_ALL, DEFAULT_POOL
+from proxy.config.schema import Config, ConfigError, load_config, parse_config, with_upstream_urls
+from proxy.config.pools import CATCH_ALL, DEFAULT_POOL
 from tests.conftest import base_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.config import AdmissionConfig
+from proxy.config.schema import AdmissionConfig
 from tests.proc_util import free_port
 from tests.proxy_process import start_proxy, stop_proxy
 from tests.vllm_engine import require_vllm, start_vllm_engine, stop_vllm_engine

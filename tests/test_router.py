@@ -10,9 +10,9 @@ import random
 import pytest
 import yaml
 
-from proxy.config import parse_config
+from proxy.config.schema import parse_config
 from proxy.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
-from proxy.pool_config import HealthConfig, PoolSpec
+from proxy.config.pools import HealthConfig, PoolSpec
 from proxy.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order
 from qos import Ticket
 from tests.conftest import base_config

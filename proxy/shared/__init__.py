@@ -8,7 +8,7 @@ sync loop and the fallback), :mod:`.standalone` (the same surface without Redis)
 
 from __future__ import annotations
 
-from ..config import SharedStateConfig
+from ..config.schema import SharedStateConfig
 from .leases import CapacityReport, ClassDemand, fallback_share
 from .rate_limits import RateLimited, Reservation
 from .standalone import StandaloneState

@@ -65,7 +65,7 @@ from redis.retry import Retry
 
 from qos import RateLimit
 
-from ..config import SharedStateConfig
+from ..config.schema import SharedStateConfig
 from .counters import SERVICE_SCRIPT, ServiceCounters
 from .keys import Keys
 from .leases import LEASE_SCRIPT, CapacityReport, LeaseTable

@@ -1,5 +1,5 @@
 """The ``pools:`` part of the config: which engines serve which models, and how a request
-is given an engine. The schema of those keys lives here, once; :mod:`proxy.config` imports
+is given an engine. The schema of those keys lives here, once; :mod:`proxy.config.schema` imports
 it (this module imports nothing of ours, so there is no cycle).
 
 Two forms, one meaning:
@@ -273,7 +273,7 @@ class EngineSpec:
         pool: its pool's name.
         name: its name (metrics label ``engine``; unique within the pool).
         upstream: the ``upstream`` section this engine is reached with (a
-            :class:`proxy.config.UpstreamConfig` whose ``url``, ``kind``, credential and
+            :class:`proxy.config.schema.UpstreamConfig` whose ``url``, ``kind``, credential and
             ``load_signal`` are this engine's): pass it to :class:`proxy.upstream.Upstream`
             and the load-signal poller as they are.
         max_inflight: the most requests it may run at once (>= 1): the ceiling of its
@@ -371,7 +371,7 @@ def _engine_upstream(upstream: Any, engine: EngineConfig) -> Any:
 
 
 def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
-    """The pools ``config`` (a :class:`proxy.config.Config`) describes, defaults filled in.
+    """The pools ``config`` (a :class:`proxy.config.schema.Config`) describes, defaults filled in.
 
     The single-upstream form gives one pool, ``default``, serving ``"*"`` with the one
     engine ``upstream`` (named by its URL), whose capacity is ``admission.max_inflight`` /
@@ -412,7 +412,7 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
 
 
 def check_pools(config: Any) -> None:
-    """Cross-pool rules of a :class:`proxy.config.Config` (called by its validator).
+    """Cross-pool rules of a :class:`proxy.config.schema.Config` (called by its validator).
 
     Raises:
         ValueError: pool names repeated; a model name in two pools; ``"*"`` in two pools;

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 from qos.capacity_control import ControlSettings
 
-from .pool_config import PassthroughConfig, PoolConfig, PoolSpec, base_url, bundled_pool_config, check_pools, resolve_pools
+from .pools import PassthroughConfig, PoolConfig, PoolSpec, base_url, bundled_pool_config, check_pools, resolve_pools
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 # a group's default headroom per group above it, and its most: at saturation a lower
@@ -403,7 +403,7 @@ class Config(_Model):
     shared_state: SharedStateConfig | None = None
     default_group: str
     groups: list[GroupConfig] = Field(min_length=1)
-    # several engines and models: proxy/pool_config.py (None: the single ``upstream`` form)
+    # several engines and models: proxy/config/pools.py (None: the single ``upstream`` form)
     pools: list[PoolConfig] | None = Field(default=None, min_length=1)
     passthrough: PassthroughConfig = PassthroughConfig()
 
@@ -429,7 +429,7 @@ class Config(_Model):
 
     def effective_pools(self) -> tuple[PoolSpec, ...]:
         """The pools this config describes, defaults filled in (the single ``upstream``
-        form is one catch-all pool): see :func:`proxy.pool_config.resolve_pools`."""
+        form is one catch-all pool): see :func:`proxy.config.pools.resolve_pools`."""
         return resolve_pools(self)
 
     def group(self, name: str) -> GroupConfig:
@@ -489,7 +489,7 @@ def with_upstream_url(config: Config, url: str | None) -> Config:
 def with_upstream_urls(config: Config, urls: str | list[str] | None) -> Config:
     """``config`` with the CLI's ``--upstream`` applied: none, or one URL, as
     :func:`with_upstream_url`; several URLs make one catch-all pool over those engines
-    (:func:`proxy.pool_config.bundled_pool_config`).
+    (:func:`proxy.config.pools.bundled_pool_config`).
 
     Raises:
         ConfigError: ``--upstream`` given for a config with ``pools``, or a URL repeated.
