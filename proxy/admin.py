@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from .config.schema import SECRET_FIELDS
-from .errors import error_response
+from .wire.errors import error_response
 from .config.pools import public_url
 from .handlers import STATE
 

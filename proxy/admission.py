@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 from qos.rate_limit import RateLimiter
 
-from .errors import retry_after_seconds
+from .wire.errors import retry_after_seconds
 from .config.pools import PoolSpec
 from .router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from . import admin, dashboard, handlers, openapi
 from .config.schema import Config
-from .errors import error_response
+from .wire.errors import error_response
 from .handlers import STATE
 from .load_signal import LOAD_SIGNAL, LoadSignal
 from .state import ProxyState

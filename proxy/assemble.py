@@ -56,12 +56,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .errors import engine_error_response, error_response
+from .wire.errors import engine_error_response, error_response
 from .metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay import UPSTREAM_FAILURES, Exchange, note_engine_error, note_upstream_id, usage_of
-from .relay_headers import client_headers
+from .wire.headers import client_headers
 from .request_kinds import ResponsesStreamScanner
-from .sse import SSEScanner, event_payloads
+from .wire.sse import SSEScanner, event_payloads
 
 # text a delta streams in pieces: ``reasoning`` is vLLM's newer name for ``reasoning_content``
 _TEXT_FIELDS = ("content", "refusal", "reasoning_content", "reasoning")
@@ -318,7 +318,7 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, kind: 
             (:attr:`proxy.request_kinds.RequestKind.name`): ``chat``, ``completion``
             (:class:`Assembler`) or ``responses`` (:class:`ResponsesAssembler`).
         choices: how many choices the client asked for (``n``).
-        base_url: the engine's base URL (:func:`proxy.relay_headers.client_headers`).
+        base_url: the engine's base URL (:func:`proxy.wire.headers.client_headers`).
 
     Returns:
         The assembled answer (200, with the upstream's end-to-end headers); or an error
@@ -331,7 +331,7 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, kind: 
     Raises:
         aiohttp.ClientError, TimeoutError: the upstream broke before the answer was
             whole (the caller answers 502).
-        EventTooLarge: one event grew past ``proxy.sse.MAX_EVENT_BYTES`` (likewise).
+        EventTooLarge: one event grew past ``proxy.wire.sse.MAX_EVENT_BYTES`` (likewise).
         asyncio.CancelledError: the client went away (the caller aborts the upstream,
             which now aborts the generation).
     """

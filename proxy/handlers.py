@@ -44,17 +44,17 @@ from . import metrics as m
 from .assemble import ASSEMBLED_KINDS, relay_assembled
 from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for
-from .errors import error_response, retry_after_seconds
+from .wire.errors import error_response, retry_after_seconds
 from .model_routing import ModelTable, Route, model_error, parse_models_body
 from .config.pools import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
-from .relay_headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
+from .wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds
 from .admission import NoEngine
-from .request_body import BadRequest, ParsedRequest
+from .wire.request_body import BadRequest, ParsedRequest
 from .request_kinds import RequestKind, prompt_prefix
 from .router import EngineState, affinity_key
-from .sse import EventTooLarge
+from .wire.sse import EventTooLarge
 from .state import ProxyState
 from .upstream import UpstreamError
 from .workers import whole_server_metrics

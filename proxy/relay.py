@@ -2,10 +2,10 @@
 
 Streaming: every chunk the upstream sends is written to the client as it arrives, as
 bytes (aiohttp's ``write`` waits while the client's socket buffer is full, so a slow
-reader holds back the upstream instead of growing our memory). An :class:`~proxy.sse.SSEScanner`
+reader holds back the upstream instead of growing our memory). An :class:`~proxy.wire.sse.SSEScanner`
 follows the events beside the relay to count output tokens, pick up ``usage``, and see
 how the stream ends. When the proxy asked for usage the client did not, a
-:class:`~proxy.sse.UsageStripper` removes it first (``proxy.upstream_body``).
+:class:`~proxy.wire.sse.UsageStripper` removes it first (``proxy.upstream_body``).
 
 The relay tells the truth about how a stream ended (``shared/interop/lightllm.md``,
 ``shared/interop/cpu-engine.md``):
@@ -30,7 +30,7 @@ The relay tells the truth about how a stream ended (``shared/interop/lightllm.md
 
 Each format's rules are its scanner's (:class:`StreamScanner`); the relay applies them.
 
-Response headers are the upstream's, filtered by :mod:`proxy.relay_headers`.
+Response headers are the upstream's, filtered by :mod:`proxy.wire.headers`.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .errors import error_status
+from .wire.errors import error_status
 from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
-from .relay_headers import REQUEST_ID, client_headers, content_coding
-from .sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
+from .wire.headers import REQUEST_ID, client_headers, content_coding
+from .wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
 #: a stream's output count goes to the scheduler and the engine's meter at most this often
 #: (seconds), after its first token at once: a fast engine's tokens (1 ms apart) cost one
@@ -110,7 +110,7 @@ class Exchange:
 
 
 def note_engine_error(ex: Exchange, err: dict, what: str = "in-band error") -> None:
-    """Record that the engine itself reported ``err`` (``proxy.sse.error_of``): the
+    """Record that the engine itself reported ``err`` (``proxy.wire.sse.error_of``): the
     outcome is ``upstream_error``; its health hears an answer (see :class:`Exchange`);
     the access log's detail is ``what`` and :func:`error_detail`."""
     ex.outcome = OUTCOME_UPSTREAM_ERROR
@@ -235,14 +235,14 @@ async def relay_stream(
             release trues the count up at the end).
         scanner: follows the stream in its format and says how it ended
             (:class:`StreamScanner`: OpenAI-style or LightLLM native,
-            :class:`proxy.sse.SSEScanner`; Responses API,
+            :class:`proxy.wire.sse.SSEScanner`; Responses API,
             :class:`proxy.request_kinds.ResponsesStreamScanner`; a pass-through path's,
-            :class:`proxy.sse.OpaqueStream`).
+            :class:`proxy.wire.sse.OpaqueStream`).
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
         choices: how many choices the client asked for (``n``): each must get its
             ``finish_reason`` for a stream without ``[DONE]`` to count as finished.
         strip_usage: remove the usage the proxy asked for and the client did not.
-        base_url: the engine's base URL (:func:`proxy.relay_headers.client_headers`).
+        base_url: the engine's base URL (:func:`proxy.wire.headers.client_headers`).
         on_show: given, the status line and headers wait for the answer's first bytes
             (the engine sends its headers at once, before its first token), and
             ``on_show()`` is called right before they go to the client: until then the
@@ -424,7 +424,7 @@ async def relay_body(upstream: aiohttp.ClientResponse, ex: Exchange, native: boo
     A 2xx answer whose JSON body reports an error (``{"error": ...}``) is relayed as is
     and counted ``upstream_error``, like every 4xx/5xx. A 3xx is relayed as is (the
     proxy follows no redirect), its ``Location`` made relative to the proxy when it
-    points under ``base_url``, the engine's (:func:`proxy.relay_headers.client_headers`).
+    points under ``base_url``, the engine's (:func:`proxy.wire.headers.client_headers`).
 
     Raises:
         asyncio.CancelledError: the client went away (the caller aborts the upstream).

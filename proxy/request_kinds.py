@@ -4,9 +4,9 @@ the OpenAI routes besides chat and completions: parsing ``POST /v1/embeddings``,
 ``POST /v1/responses`` and pass-through requests for admission, the start of a prompt for
 engine affinity, and reading the Responses API's answers and typed event stream.
 
-Parsers return :class:`proxy.request_body.ParsedRequest` and take the same arguments as
+Parsers return :class:`proxy.wire.request_body.ParsedRequest` and take the same arguments as
 the chat and completion parsers beside them, with the same prompt estimate
-(:func:`proxy.request_body.text_tokens`, the same per-image and per-media costs). A
+(:func:`proxy.wire.request_body.text_tokens`, the same per-image and per-media costs). A
 group's output cap is written in the kind's own field (``max_output_tokens`` for
 Responses: :func:`cap_max_output_tokens`).
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable
 
 import orjson
 
-from .errors import responses_error_event
-from .request_body import (
+from .wire.errors import responses_error_event
+from .wire.request_body import (
     DEFAULT_COSTS,
     IMAGE_PARTS,
     MEDIA_PARTS,
@@ -40,7 +40,7 @@ from .request_body import (
     parse_generate,
     text_tokens,
 )
-from .sse import OpaqueStream, SSEScanner, parse_event, take_events
+from .wire.sse import OpaqueStream, SSEScanner, parse_event, take_events
 
 if TYPE_CHECKING:
     from .config.schema import Config
@@ -165,8 +165,8 @@ def parse_responses(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedReq
     Prompt size: characters of ``instructions``, of the items' text (module
     :data:`_TEXT_KEYS`) and of the JSON of :data:`RESPONSES_PROMPT_FIELDS`, / 4; plus
     ``costs.image_tokens`` per image and ``costs.media_tokens`` per audio or file part;
-    plus :data:`proxy.request_body.MESSAGE_OVERHEAD_TOKENS` per item (as for chat,
-    :mod:`proxy.request_body`).
+    plus :data:`proxy.wire.request_body.MESSAGE_OVERHEAD_TOKENS` per item (as for chat,
+    :mod:`proxy.wire.request_body`).
 
     Raises:
         BadRequest: not a JSON object, ``input`` neither a string nor a list of objects,
@@ -210,7 +210,7 @@ def parse_responses(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedReq
 
 def cap_max_output_tokens(parsed: ParsedRequest, cap: int, reject: bool) -> ParsedRequest:
     """A group's ``max_tokens`` cap (tokens) applied to a Responses request, as
-    :func:`proxy.request_body.cap_max_tokens` does for chat: a request asking for more,
+    :func:`proxy.wire.request_body.cap_max_tokens` does for chat: a request asking for more,
     or for no limit, is rewritten to ask for ``cap`` in ``max_output_tokens``; one
     within the cap passes untouched, bytes and all.
 
@@ -349,7 +349,7 @@ _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 class ResponsesStreamScanner:
     """Follows a Responses API event stream across arbitrary chunk boundaries, for
     accounting and to tell a real finish from a cut; the same interface as
-    :class:`proxy.sse.SSEScanner`, for :func:`proxy.relay.relay_stream`.
+    :class:`proxy.wire.sse.SSEScanner`, for :func:`proxy.relay.relay_stream`.
 
     Every event whose type ends in ``.delta`` (output text, refusal, reasoning, function
     call arguments, ...) counts as one output token until ``usage`` gives the real
@@ -370,7 +370,7 @@ class ResponsesStreamScanner:
             error event the proxy appends to a cut stream uses the next one (:meth:`cut`).
 
     Raises (from :meth:`feed`):
-        proxy.sse.EventTooLarge: an event grew past :data:`proxy.sse.MAX_EVENT_BYTES`.
+        proxy.wire.sse.EventTooLarge: an event grew past :data:`proxy.wire.sse.MAX_EVENT_BYTES`.
     """
 
     __slots__ = ("_buf", "tokens", "prompt_tokens", "terminal", "status", "error", "sequence_number")
@@ -416,7 +416,7 @@ class ResponsesStreamScanner:
 
     def cut(self, message: str, code: str) -> bytes:
         """The terminal ``error`` event for a stream that did not finish, numbered after
-        the last event (:func:`proxy.errors.responses_error_event`)."""
+        the last event (:func:`proxy.wire.errors.responses_error_event`)."""
         return responses_error_event(message, code, self.sequence_number + 1)
 
     def unfinished(self) -> str:
@@ -494,7 +494,7 @@ class RequestKind:
             ``responses``, ``passthrough``): the access log's ``kind``.
         path: the upstream path; ``None``: the client's own path (pass-through).
         parse: ``(body, config) -> ParsedRequest`` (:class:`proxy.config.schema.Config`).
-            Raises :class:`proxy.request_body.BadRequest`.
+            Raises :class:`proxy.wire.request_body.BadRequest`.
         cap: applies a group's ``max_tokens`` cap, ``(parsed, cap, reject) ->
             ParsedRequest``; ``None``: nothing for the cap to bound (embeddings,
             pass-through).
@@ -506,7 +506,7 @@ class RequestKind:
             engines must all be ``kind: lightllm``.
         opaque: a pass-through path: any method, the body forwarded as it came (but an
             alias's ``model``), no priority field written, relayed as bytes
-            (:class:`proxy.sse.OpaqueStream`), a stream known by its content type.
+            (:class:`proxy.wire.sse.OpaqueStream`), a stream known by its content type.
     """
 
     name: str

@@ -34,7 +34,7 @@ from yarl import URL
 
 from .config.schema import UpstreamConfig
 from .config.pools import public_url
-from .relay_headers import REQUEST_ID
+from .wire.headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -173,7 +173,7 @@ class Upstream:
             query: the client's raw (still percent-encoded) query string, passed on.
             request_id: sent as ``X-Request-Id``.
             trace: the client's trace context headers, sent as they are
-                (:func:`proxy.relay_headers.trace_headers`).
+                (:func:`proxy.wire.headers.trace_headers`).
             body_headers: ``Content-Type`` and ``Accept`` to send instead of the proxy's
                 own (JSON, and JSON or an event stream), a ``None`` value leaving that
                 header out: a pass-through body keeps the client's types.

@@ -9,7 +9,7 @@ routes:
 * ``upstream.stream_usage``: a streaming request whose client did not ask for
   ``stream_options.include_usage`` is sent with it, so the engine reports the real token
   count that trues up the fair-share counters; the relay removes that usage again
-  (:class:`proxy.sse.UsageStripper`).
+  (:class:`proxy.wire.sse.UsageStripper`).
 
 An engine may reject ``stream_options`` (an older server with a strict schema). The
 proxy then does not pass that 400 on for a valid request: when the rejection (400, 417
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import orjson
 
 from .config.schema import UpstreamConfig
-from .request_body import BadRequest, ParsedRequest
+from .wire.request_body import BadRequest, ParsedRequest
 
 # statuses with which engines refuse a request's shape before generating: OpenAI-style
 # 400, FastAPI/pydantic 422, LightLLM 417

@@ -1,4 +1,4 @@
-"""The prompt estimate counts everything that becomes prompt tokens (proxy/request_body.py),
+"""The prompt estimate counts everything that becomes prompt tokens (proxy/wire/request_body.py),
 and the output multiplier; parsing stays bounded on hostile bodies."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from proxy.config.schema import parse_config
-from proxy.request_body import (
+from proxy.wire.request_body import (
     MESSAGE_OVERHEAD_TOKENS,
     BadRequest,
     DefaultPromptCosts,

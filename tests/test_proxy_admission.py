@@ -185,7 +185,7 @@ def test_no_engine_message_states_the_seconds_retry_after_says():
     import re
 
     from proxy.admission import NoEngine
-    from proxy.errors import error_response
+    from proxy.wire.errors import error_response
 
     for wait in (0.2, 1.0, 1.3, 1.5, 1.99, 2.01, 29.4):
         r = NoEngine("p", wait)

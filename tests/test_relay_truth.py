@@ -24,7 +24,7 @@ from yarl import URL
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.schema import ConfigError, parse_config
-from proxy.relay_headers import proxied_location
+from proxy.wire.headers import proxied_location
 from tests.proxy_process import REPO_ROOT, start_proxy, stop_proxy
 from tests.proc_util import free_port
 from tests.scripted_upstream import (

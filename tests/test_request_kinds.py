@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 
 from bench.scripted_engine import make_app as scripted_engine
-from proxy.errors import responses_error_event
-from proxy.sse import split_events
-from proxy.request_body import BadRequest
+from proxy.wire.errors import responses_error_event
+from proxy.wire.sse import split_events
+from proxy.wire.request_body import BadRequest
 from proxy.request_kinds import (
     MAX_EMBEDDING_INPUTS,
     ResponsesStreamScanner,
@@ -196,7 +196,7 @@ def test_a_cut_responses_stream_gets_the_next_sequence_number():
 
 
 def test_responses_tools_text_format_and_images_are_prompt_tokens():
-    from proxy.request_body import DefaultPromptCosts
+    from proxy.wire.request_body import DefaultPromptCosts
 
     costs = DefaultPromptCosts(image_tokens=100, media_tokens=50)
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d" * 4000}}}}]

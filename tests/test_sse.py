@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from proxy import sse
-from proxy.sse import EventTooLarge, SSEScanner, UsageStripper, parse_event
+from proxy.wire import sse
+from proxy.wire.sse import EventTooLarge, SSEScanner, UsageStripper, parse_event
 
 NULL_USAGE = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"h\xc3\xa9"},"finish_reason":null}],"usage":null}\n\n'
 USAGE_ONLY = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":31,"total_tokens":40}}\n\n'

@@ -236,7 +236,7 @@ class AdmissionConfig(_Model):
 
 class CostConfig(_Model):
     """Token cost model for fair sharing (see :class:`qos.CostModel`) and the prompt
-    estimate's per-part costs (:mod:`proxy.request_body`).
+    estimate's per-part costs (:mod:`proxy.wire.request_body`).
 
     ``max_tokens_ceiling``: the most output tokens one choice of a request reserves,
     whatever its ``max_tokens`` (a reservation for capacity and rate limits, never a

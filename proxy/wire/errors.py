@@ -91,7 +91,7 @@ def engine_error_response(err: dict) -> web.Response:
     status when it is a 4xx/5xx, else 502.
 
     Args:
-        err: the engine's error object (``proxy.sse.error_of``).
+        err: the engine's error object (``proxy.wire.sse.error_of``).
     """
     status = error_status(err) or 502
     body = {k: v for k, v in err.items() if k != "object"}

@@ -1,0 +1,15 @@
+"""What crosses the wire, as data: parsing and formatting, no I/O, no state.
+
+* :mod:`.errors`: OpenAI-style error bodies (every error the proxy answers is built
+  here), their SSE forms, and the ``Retry-After`` hint.
+* :mod:`.request_body`: the fields of a chat, completion or LightLLM body that admission
+  needs (stream, max tokens), and the prompt-token estimate.
+* :mod:`.sse`: server-sent events as engines send them, and the scanner that follows a
+  stream for tokens, usage, its end and errors.
+* :mod:`.headers`: which headers cross the proxy in each direction, and the request id.
+
+A bottom layer: routing's model errors, admission's retry hints, the relay and the routes
+use it; it knows none of them.
+
+May import: nothing of the proxy (only :mod:`qos`).
+"""
