@@ -4,7 +4,7 @@ Two hot-path operations had private shortcuts, replaced by public ways:
 
 * **metric children.** ``prometheus_client``'s public ``labels()`` validates and converts
   its arguments and takes a lock on every call. The proxy now keeps the children that
-  ``labels()`` returns in its own dict (:class:`proxy.metrics.LabelCache`); it used to
+  ``labels()`` returns in its own dict (:class:`proxy.telemetry.metrics.LabelCache`); it used to
   read the library's private ``_metrics`` dict instead, which is the same one dict lookup.
 * **the access-log record.** ``Logger.info()`` walks the stack to find the caller's file
   and line (``Logger.findCaller``) for every record, a field the proxy never prints; the
@@ -33,8 +33,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from proxy.log_format import ACCESS_FORMATTER
-from proxy.metrics import LATENCY_BUCKETS, LabelCache
+from proxy.telemetry.log_format import ACCESS_FORMATTER
+from proxy.telemetry.metrics import LATENCY_BUCKETS, LabelCache
 
 LABEL_CALLS_PER_REQUEST = 5  # queue_wait, requests, ttft, tokens x2 (proxy.handlers._account)
 LOG_LINES_PER_REQUEST = 1

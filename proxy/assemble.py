@@ -57,7 +57,7 @@ import orjson
 from aiohttp import web
 
 from .wire.errors import engine_error_response, error_response
-from .metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from .telemetry.metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay import UPSTREAM_FAILURES, Exchange, note_engine_error, note_upstream_id, usage_of
 from .wire.headers import client_headers
 from .request_kinds import ResponsesStreamScanner

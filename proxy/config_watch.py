@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from .config.schema import ConfigError, config_digest, parse_config
-from .metrics import RELOAD_ERROR, RELOAD_OK
+from .telemetry.metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.config")

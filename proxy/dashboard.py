@@ -86,7 +86,7 @@ from aiohttp import web
 from .admin import check_admin
 from .handlers import STATE
 from .load_signal import LOAD_SIGNAL, LoadSignal
-from .metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
+from .telemetry.metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.proxy")

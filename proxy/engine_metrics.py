@@ -133,7 +133,7 @@ class EngineCollector(Collector):
 
 
 def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRouter]]) -> EngineCollector:
-    """Add the per-engine series to ``registry`` (the proxy's :class:`proxy.metrics.Metrics`
+    """Add the per-engine series to ``registry`` (the proxy's :class:`proxy.telemetry.metrics.Metrics`
     registry); returns the collector."""
     collector = EngineCollector(routers)
     registry.register(collector)

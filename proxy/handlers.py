@@ -40,7 +40,7 @@ from aiohttp import web
 
 from qos import RefusalReason, Refused
 
-from . import metrics as m
+from .telemetry import metrics as m
 from .assemble import ASSEMBLED_KINDS, relay_assembled
 from .engine_body import body_for_engine, priority_value
 from .engine_health import check_path_for

@@ -45,7 +45,7 @@ import orjson
 from aiohttp import web
 
 from .wire.errors import error_status
-from .metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from .telemetry.metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .wire.headers import REQUEST_ID, client_headers, content_coding
 from .wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
@@ -75,7 +75,7 @@ class Exchange:
         first_byte_at: loop time the first answer byte was relayed, or ``None``.
         prompt_tokens: prompt tokens reported by the upstream, or ``None``.
         output_tokens: output tokens counted or reported so far.
-        outcome: a ``proxy.metrics.OUTCOME_*`` value once known.
+        outcome: a ``proxy.telemetry.metrics.OUTCOME_*`` value once known.
         detail: a short reason for a failure.
         upstream_request_id: the engine's own ``X-Request-Id`` when it differs.
         upstream_ended: the upstream answer was read to its end (its connection can be

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import log_filters
-from . import log_format as log_format_module
+from .telemetry import log_filters
+from .telemetry import log_format as log_format_module
 from .admin import RELOADER
 from .app import create_app
 from .config.schema import config_digest, parse_config
@@ -96,7 +96,7 @@ ACCESS_LOG_FLUSH_S = 1.0
 
 
 def configure_logging(log_format: str = "text", access_log: str | None = None, worker: int | None = None) -> logging.handlers.MemoryHandler:
-    """Set up the two logs (:mod:`proxy.log_format`): the diagnostic log on stderr as
+    """Set up the two logs (:mod:`proxy.telemetry.log_format`): the diagnostic log on stderr as
     ``log_format`` (``text`` or ``json``); the access log, one JSON object per line, on
     stderr or appended to the file ``access_log`` (reopened when logrotate moves it).
     ``worker``: the index of one of ``--workers`` processes, carried by every line of

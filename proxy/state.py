@@ -13,7 +13,7 @@ from .capacity_leases import BoundPool, LeaseBinding
 from .config.schema import Config, with_upstream_urls
 from .engine_health import HealthChecker
 from .identity import IdentityResolver
-from .metrics import Metrics, SharedStateCollector
+from .telemetry.metrics import Metrics, SharedStateCollector
 from .model_routing import ModelTable
 from .config.pools import public_url
 from .router import EngineState

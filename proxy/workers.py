@@ -30,7 +30,7 @@ does not answer within :data:`PEER_TIMEOUT_S`, e.g. while it restarts, is left o
 prometheus-client's multiprocess mode was not used: it aggregates only the counters,
 histograms and gauges it writes to files, not the collectors that read the live
 schedulers, engines and shared state at scrape time (queue depths, engine state, grants).
-Log lines of a worker carry its index too (:mod:`proxy.log_format`).
+Log lines of a worker carry its index too (:mod:`proxy.telemetry.log_format`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ async def whole_server_metrics(state) -> bytes:
     processes, every worker's series (each labelled ``worker``) in one exposition, with
     ``llm_qos_worker_up{worker}`` 1 for each worker that answered (see the module
     docstring). Never raises: a worker that does not answer is left out (0)."""
-    from .metrics import merge_expositions
+    from .telemetry.metrics import merge_expositions
 
     directory = os.environ.get(WORKER_DIR_ENV)
     own = state.metrics.render()

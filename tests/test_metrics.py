@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config_watch import reload_config
-from proxy.metrics import ABORT_REASONS, DIRECTIONS, OUTCOMES, REFUSAL_REASONS, RELOAD_RESULTS, LabelCache
+from proxy.telemetry.metrics import ABORT_REASONS, DIRECTIONS, OUTCOMES, REFUSAL_REASONS, RELOAD_RESULTS, LabelCache
 from qos import RefusalReason
 from tests.conftest import base_config
 from tests.proc_util import free_port
