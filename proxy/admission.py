@@ -3,7 +3,7 @@
 :class:`Admission` owns one :class:`Pool` per configured pool (the single ``upstream``
 form is the pool ``default`` of one engine): its :class:`qos.Scheduler` (its own queue,
 so one model's overload never blocks another's) whose capacity is the pool's
-:class:`proxy.router.PoolRouter` (through :class:`proxy.router.PoolCapacity`). Groups,
+:class:`proxy.routing.router.PoolRouter` (through :class:`proxy.routing.router.PoolCapacity`). Groups,
 users and weights are the same policy in every pool; fair-share counters are kept per
 pool (each pool's queue orders its own users); rate limits are one
 :class:`qos.RateLimiter` shared by every pool, so a user's limit holds across models.
@@ -20,7 +20,7 @@ user arrives: one timer (``loop.call_at``) is armed for the earliest
 :meth:`qos.Scheduler.next_forget_at` of the pools whenever a request ends and none is
 armed, and re-armed for the next one when it fires (:meth:`qos.Scheduler.forget_idle`).
 
-Bind late: the returned ticket's ``placement`` is the :class:`proxy.router.EngineState`
+Bind late: the returned ticket's ``placement`` is the :class:`proxy.routing.router.EngineState`
 chosen when it was dispatched; the handler opens the request on that engine's ``client``
 (:class:`proxy.upstream.Upstream`). A request whose connection failed before it reached the
 engine is moved with :meth:`Admission.reroute`.
@@ -60,7 +60,7 @@ from qos.rate_limit import RateLimiter
 
 from .wire.errors import retry_after_seconds
 from .config.pools import PoolSpec
-from .router import EngineState, PoolCapacity, PoolRouter
+from .routing.router import EngineState, PoolCapacity, PoolRouter
 from .shared_limits import SharedRateLimiter, reserve_and_submit
 
 
@@ -355,12 +355,12 @@ class Admission:
             max_tokens: the request's output cap per choice (tokens) or ``None``.
             choices: the output multiplier (``max(n, best_of)`` x prompts).
             output_ceiling: the serving engine's output ceiling when known (tokens).
-            pool: the pool's name (:class:`proxy.model_routing.Route`); ``None``: the first.
-            key: the request's affinity key (:func:`proxy.router.affinity_key`), or ``None``.
+            pool: the pool's name (:class:`proxy.routing.model_routing.Route`); ``None``: the first.
+            key: the request's affinity key (:func:`proxy.routing.router.affinity_key`), or ``None``.
 
         Returns:
             An ADMITTED ticket whose ``placement`` is its engine
-            (:class:`proxy.router.EngineState`); the caller must :meth:`release` it in a
+            (:class:`proxy.routing.router.EngineState`); the caller must :meth:`release` it in a
             ``finally``.
 
         Raises:
@@ -500,7 +500,7 @@ class Admission:
 
     def record_output(self, ticket: Ticket, output_tokens: int) -> None:
         """See :meth:`qos.Scheduler.record_output`; also the engine's latency meter
-        (:class:`proxy.engine_meter.EngineMeter`)."""
+        (:class:`proxy.routing.engine_meter.EngineMeter`)."""
         w = ticket.context
         if isinstance(w, _Waiting) and w.pool is not None:
             pool = w.pool
@@ -511,7 +511,7 @@ class Admission:
 
     def reroute(self, ticket: Ticket, tried: Iterable[EngineState]) -> EngineState | None:
         """Move an admitted ticket whose request never reached its engine to another one
-        of its pool, not in ``tried`` (:meth:`proxy.router.PoolRouter.reroute`): the
+        of its pool, not in ``tried`` (:meth:`proxy.routing.router.PoolRouter.reroute`): the
         engine with room and the most headroom, else the healthy one with the most
         headroom even if full (the request was admitted; the engine it was given failed).
         Returns the new engine (``ticket.placement``), or ``None`` when no other engine is
@@ -525,7 +525,7 @@ class Admission:
 
     def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "", *, status: int | None = None) -> None:
         """Record the result of a request sent to ``engine`` (see
-        :meth:`proxy.engine_health.EngineHealth.record_request`; ``status``: the 5xx of
+        :meth:`proxy.routing.engine_health.EngineHealth.record_request`; ``status``: the 5xx of
         an ``http_5xx`` failure); nothing for the single-``upstream`` form
         (:attr:`Pool.tracks_health`)."""
         pool = self.pool_of(engine)
@@ -700,7 +700,7 @@ class Admission:
         with ``pools``: every pool's name,
         queued, in flight, capacity, retired flag, queue per group and requests preempted
         there since start (``preemptions``), and ``engines``:
-        every engine (:meth:`proxy.router.EngineState.status`)."""
+        every engine (:meth:`proxy.routing.router.EngineState.status`)."""
         pools = list(self.all_pools())
         snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
         snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)

@@ -47,7 +47,7 @@ def body_for_engine(
     Args:
         raw: the body as the client sent it (after the proxy's own caps).
         fields: its parsed JSON object.
-        upstream_model: the engines' name for an alias (:class:`proxy.model_routing.Route`),
+        upstream_model: the engines' name for an alias (:class:`proxy.routing.model_routing.Route`),
             or ``None``.
         priority: ``(field, value)`` for an engine with a ``priority_field``
             (:func:`priority_value`), or ``None``.

@@ -5,7 +5,7 @@ The life of a completion request (``handle_generation``):
 1. read and parse the body (400 on bad input, 413 over ``limits.max_body_bytes``);
 2. resolve the caller (401 for a key the config does not know, or no known key under
    ``require_api_key``: :meth:`proxy.identity.IdentityResolver.refusal`);
-3. route it by ``model`` to a pool (404 ``model_not_found``; :mod:`proxy.model_routing`);
+3. route it by ``model`` to a pool (404 ``model_not_found``; :mod:`proxy.routing.model_routing`);
 4. wait for admission in that pool (429 rate limit / queue full / timeout, 503 evicted /
    shutdown / no healthy engine); the ticket comes back placed on an engine (bind late);
 5. open the request on that engine, once (502 unreachable or closed without an answer,
@@ -43,9 +43,9 @@ from qos import RefusalReason, Refused
 from .telemetry import metrics as m
 from .assemble import ASSEMBLED_KINDS, relay_assembled
 from .engine_body import body_for_engine, priority_value
-from .engine_health import check_path_for
+from .routing.engine_health import check_path_for
 from .wire.errors import error_response, retry_after_seconds
-from .model_routing import ModelTable, Route, model_error, parse_models_body
+from .routing.model_routing import ModelTable, Route, model_error, parse_models_body
 from .config.pools import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
@@ -53,7 +53,7 @@ from . import request_kinds as kinds
 from .admission import NoEngine
 from .wire.request_body import BadRequest, ParsedRequest
 from .request_kinds import RequestKind, prompt_prefix
-from .router import EngineState, affinity_key
+from .routing.router import EngineState, affinity_key
 from .wire.sse import EventTooLarge
 from .state import ProxyState
 from .upstream import UpstreamError
@@ -376,7 +376,7 @@ def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, kind:
 
 class _OutsideAdmission:
     """The place on an engine of a pass-through request outside admission
-    (:meth:`proxy.router.PoolRouter.place_outside`): it reserves no tokens."""
+    (:meth:`proxy.routing.router.PoolRouter.place_outside`): it reserves no tokens."""
 
     __slots__ = ()
     reserved_tokens = 0
@@ -606,7 +606,7 @@ async def models(request: web.Request) -> web.Response:
     """``GET /v1/models`` (and ``HEAD``): with the single ``upstream``, the upstream's own
     answer passed through with its query string and end-to-end headers; with pools, every
     model a pool lists, then what the catch-all pool's engine lists
-    (:meth:`proxy.model_routing.ModelTable.models_list`). 401 for a key the config does not
+    (:meth:`proxy.routing.model_routing.ModelTable.models_list`). 401 for a key the config does not
     know, or without a known key when ``identity.require_api_key`` is on; every answer
     carries ``X-Request-Id``."""
     rid = request_id_of(request.headers)

@@ -26,7 +26,7 @@ Sources (LightLLM v1.2.0 ``lightllm/server/api_http.py:token_load``; docs/deploy
 
 Each engine is polled on its own (:class:`EnginePoller`); each fresh reading sets that
 engine's capacity limit in its pool's router (:func:`capacity_for`;
-:meth:`proxy.router.EngineState.set_load`), which the pool's scheduler sees at dispatch:
+:meth:`proxy.routing.router.EngineState.set_load`), which the pool's scheduler sees at dispatch:
 
 * saturated: 1. Nothing new is dispatched as long as any of our requests is in flight,
   and one is when none is, so the proxy cannot deadlock behind an engine kept busy by
@@ -214,10 +214,10 @@ def source_of(upstream: UpstreamConfig) -> Source | None:
 
 class EnginePoller:
     """The polling task of one engine: reads its load and sets its capacity limit in its
-    pool's router (:meth:`proxy.router.EngineState.set_load`).
+    pool's router (:meth:`proxy.routing.router.EngineState.set_load`).
 
     Args:
-        engine: the engine (:class:`proxy.router.EngineState`); its ``spec.upstream`` is
+        engine: the engine (:class:`proxy.routing.router.EngineState`); its ``spec.upstream`` is
             read at every poll, so a hot reload of its settings applies at the next one.
         on_room: called with the engine when its limit was raised or lifted (the proxy
             dispatches its pool's queue).

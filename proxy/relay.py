@@ -82,7 +82,7 @@ class Exchange:
             reused; there is nothing to abort).
         engine_error: the error was the engine's own answer (an in-band error event, a
             2xx JSON error body), not a broken or unfinished stream: for the engine's
-            health it answered (:mod:`proxy.engine_health`), as with a 4xx.
+            health it answered (:mod:`proxy.routing.engine_health`), as with a 4xx.
         engine_error_status: the 4xx/5xx that error names (its numeric ``code``), if any:
             a 5xx counts against the engine's health like a 5xx status.
         preemptions: times the request was preempted before its answer (each attempt

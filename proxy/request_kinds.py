@@ -251,7 +251,7 @@ def parse_passthrough(raw: bytes, cost_tokens: int) -> ParsedRequest:
 
 def prompt_prefix(fields: dict, chars: int) -> str | None:
     """The first ``chars`` characters of a request's prompt, for the affinity hash
-    (:func:`proxy.router.affinity_key`), or ``None`` when it has no text prompt.
+    (:func:`proxy.routing.router.affinity_key`), or ``None`` when it has no text prompt.
 
     Chat: each message as ``role: text`` on its own line (a shared system prompt makes a
     shared prefix); completions: ``prompt`` (the first one of a list); Responses:

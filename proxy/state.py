@@ -7,16 +7,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import engine_metrics
+from .routing import engine_metrics
 from .admission import Admission, Pool, Preemption
 from .capacity_leases import BoundPool, LeaseBinding
 from .config.schema import Config, with_upstream_urls
-from .engine_health import HealthChecker
+from .routing.engine_health import HealthChecker
 from .identity import IdentityResolver
 from .telemetry.metrics import Metrics, SharedStateCollector
-from .model_routing import ModelTable
+from .routing.model_routing import ModelTable
 from .config.pools import public_url
-from .router import EngineState
+from .routing.router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .shared_limits import SharedRateLimiter
 from .upstream import Upstream

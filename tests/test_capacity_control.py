@@ -1,5 +1,5 @@
 """The capacity controller (qos/capacity_control.py), the latency meter
-(proxy/engine_meter.py) and the classes' headroom (qos.capacity.room_for): the rules, and
+(proxy/routing/engine_meter.py) and the classes' headroom (qos.capacity.room_for): the rules, and
 convergence against a simulated continuously-batching engine."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from proxy.config.schema import parse_config
-from proxy.engine_meter import EngineMeter
+from proxy.routing.engine_meter import EngineMeter
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from qos.capacity import room_for
 from qos.capacity_control import (

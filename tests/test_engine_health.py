@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from proxy.config.schema import parse_config
-from proxy.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
+from proxy.routing.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
 from proxy.config.pools import HealthConfig
-from proxy.router import PoolRouter
+from proxy.routing.router import PoolRouter
 from tests.conftest import base_config, wait_until
 from tests.proc_util import die_with_parent, free_port, wait_for_line
 from tests.proxy_process import REPO_ROOT

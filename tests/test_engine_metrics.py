@@ -6,12 +6,12 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import engine_metrics
+from proxy.routing import engine_metrics
 from proxy.app import create_app
 from proxy.config.schema import parse_config
 from proxy.dashboard import DASHBOARD, ENGINE_FIELDS
-from proxy.engine_health import Health
-from proxy.router import PoolRouter
+from proxy.routing.engine_health import Health
+from proxy.routing.router import PoolRouter
 from tests.conftest import base_config
 from tests.test_router import Clock, eng, pool, ticket
 

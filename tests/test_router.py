@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from proxy.config.schema import parse_config
-from proxy.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
+from proxy.routing.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
 from proxy.config.pools import HealthConfig, PoolSpec
-from proxy.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order
+from proxy.routing.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order
 from qos import Ticket
 from tests.conftest import base_config
 

@@ -14,7 +14,7 @@ Two forms, one meaning:
   ``api_key`` / ``api_key_env``; each engine names its own ``url``, and ``upstream.url``
   must not be given (it would name an engine outside every pool).
 
-A request is routed by its ``model`` (:mod:`proxy.model_routing`). ``"*"`` in a pool's
+A request is routed by its ``model`` (:mod:`proxy.routing.model_routing`). ``"*"`` in a pool's
 ``models`` makes it the catch-all: it gets every model no pool names. At most one pool
 may have it.
 
@@ -97,7 +97,7 @@ class ModelEntry(_Model):
 
 
 class AffinityConfig(_Model):
-    """Optional engine affinity (see :mod:`proxy.router`): requests with the same key
+    """Optional engine affinity (see :mod:`proxy.routing.router`): requests with the same key
     prefer the same engine, so an engine's prefix (KV) cache is hit more often.
 
     ``session_header``: a request header whose value is the key (e.g. ``X-Session-Id``).
@@ -118,7 +118,7 @@ class AffinityConfig(_Model):
 
 
 class RoutingConfig(_Model):
-    """How a dispatched request is given one of its pool's engines (:mod:`proxy.router`).
+    """How a dispatched request is given one of its pool's engines (:mod:`proxy.routing.router`).
 
     ``policy``: ``least_headroom`` (default: the engine with the most headroom left) or
     ``round_robin`` (weighted, among engines that fit; for comparison).
@@ -129,7 +129,7 @@ class RoutingConfig(_Model):
 
 
 class HealthConfig(_Model):
-    """When an engine is taken out of rotation and brought back (:mod:`proxy.engine_health`).
+    """When an engine is taken out of rotation and brought back (:mod:`proxy.routing.engine_health`).
 
     ``failures_to_eject`` (3): consecutive failed requests (connection refused or reset
     before any answer byte, no headers in time, a 5xx, a stream cut) that eject the engine.

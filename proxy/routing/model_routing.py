@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from .wire.errors import error_response
-from .config.pools import CATCH_ALL, PoolSpec
+from ..wire.errors import error_response
+from ..config.pools import CATCH_ALL, PoolSpec
 
 MAX_LISTED = 10_000  # entries taken from one engine's models list
 

@@ -25,13 +25,13 @@ and ``engine`` take configured names (an engine's ``name``, else its URL), ``sta
 * ``llm_qos_engine_saturated``: 1 while its load signal says it is saturated (new work
   held back from it), else 0 (also without a load signal).
 * ``llm_qos_engine_headroom``: the router's headroom (fraction free; see
-  :mod:`proxy.router`).
+  :mod:`proxy.routing.router`).
 * ``llm_qos_engine_routed_requests_total``: requests placed on it.
 * ``llm_qos_engine_ejections_total``: times it was taken out of rotation.
 * ``llm_qos_engine_ejections_refused_total``: passive ejections (failed requests)
   refused because the pool was at its floor (``health.max_ejection_percent``).
 * ``llm_qos_engine_failures_total{reason}``: failed requests, by
-  :data:`proxy.engine_health.FAILURE_REASONS`.
+  :data:`proxy.routing.engine_health.FAILURE_REASONS`.
 * ``llm_qos_engine_health_checks_total{result}``: checks and probes, ``ok`` / ``failed``.
 """
 
@@ -141,6 +141,6 @@ def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRou
 
 
 def engines_status(routers: Iterable[PoolRouter]) -> list[dict]:
-    """Every engine of every pool, as :meth:`proxy.router.EngineState.status` describes it:
+    """Every engine of every pool, as :meth:`proxy.routing.router.EngineState.status` describes it:
     the ``engines`` list of ``/admin/status`` and of the dashboard (:mod:`proxy.dashboard`)."""
     return [s for r in routers for s in r.snapshot()]

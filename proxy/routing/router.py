@@ -7,7 +7,7 @@ scheduler sees it: ``fits(ticket)`` (does some engine have room for the head of 
 queue?), ``reserve(ticket)`` (place it on the chosen engine) and ``release(ticket)``
 (free it), the same three questions ``admission.max_inflight`` /
 ``max_inflight_tokens`` answered for one engine. It is pure: no I/O, no tasks; health
-comes from :mod:`proxy.engine_health`, load readings from whoever polls them.
+comes from :mod:`proxy.routing.engine_health`, load readings from whoever polls them.
 
 Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max output):
 
@@ -76,7 +76,7 @@ from qos.capacity_control import fixed as fixed_capacity
 
 from .engine_health import EngineHealth, Health, max_passive_ejections
 from .engine_meter import EngineMeter
-from .config.pools import EngineSpec, PoolSpec, RoutingConfig, public_url
+from ..config.pools import EngineSpec, PoolSpec, RoutingConfig, public_url
 
 
 class Reservable(Protocol):
@@ -98,7 +98,7 @@ class EngineState:
 
     Attributes:
         spec: its resolved config (:class:`proxy.config.pools.EngineSpec`).
-        health: its :class:`proxy.engine_health.EngineHealth`.
+        health: its :class:`proxy.routing.engine_health.EngineHealth`.
         inflight: requests placed on it and not released.
         inflight_tokens: their reserved tokens.
         draining: removed from the config by a reload; gets nothing new, leaves the pool
@@ -113,7 +113,7 @@ class EngineState:
         client: its connections (a :class:`proxy.upstream.Upstream`), set by the proxy.
         control: its capacity controller (:class:`qos.capacity_control.CapacityController`),
             stepped by its load poller (:mod:`proxy.load_signal`).
-        meter: what the proxy measures of its requests there (:class:`proxy.engine_meter.EngineMeter`).
+        meter: what the proxy measures of its requests there (:class:`proxy.routing.engine_meter.EngineMeter`).
     """
 
     spec: EngineSpec
@@ -625,14 +625,14 @@ class PoolRouter:
 
     def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "", *, status: int | None = None) -> bool:
         """Record the result of a request sent to ``engine`` (see
-        :meth:`proxy.engine_health.EngineHealth.record_request`; ``status``: the 5xx it
+        :meth:`proxy.routing.engine_health.EngineHealth.record_request`; ``status``: the 5xx it
         answered, when known); True if it ejected it. A failure ejects it only while the
         pool stays above its floor (:meth:`may_eject_passively`)."""
         return engine.health.record_request(ok, reason, detail, status=status, may_eject=lambda: self.may_eject_passively(engine))
 
     def may_eject_passively(self, engine: EngineState) -> bool:
         """Whether failed requests may eject ``engine`` now: after it, at most
-        :func:`proxy.engine_health.max_passive_ejections` of the pool's engines (draining
+        :func:`proxy.routing.engine_health.max_passive_ejections` of the pool's engines (draining
         ones aside) are ejected, for whatever reason (``health.max_ejection_percent``; at
         least one engine stays in rotation). A draining engine (out of rotation anyway),
         or one no longer in the pool, may always be."""

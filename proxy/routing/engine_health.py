@@ -26,7 +26,7 @@ The rule (``pools[].health``, :class:`proxy.config.pools.HealthConfig`):
   always stays in rotation against passive ejections (:func:`max_passive_ejections`:
   of 1 engine none, of 2 at most 1, of 3 at most 1, of 4 at most 2), as Envoy's outlier
   detection does (``max_ejection_percent``). The pool decides (it knows how many of its
-  engines are out: :meth:`proxy.router.PoolRouter.report`); a refused ejection is
+  engines are out: :meth:`proxy.routing.router.PoolRouter.report`); a refused ejection is
   counted (``ejections_refused``) and logged once per episode (until the engine answers
   a request well, or is ejected). Active checks are not held back: a failing check path
   is the engine's own state, no client's doing, and may take every engine out.
@@ -47,7 +47,7 @@ The rule (``pools[].health``, :class:`proxy.config.pools.HealthConfig`):
   later one starts over at ``eject_base_s``.
 
 Draining (an engine removed by a reload) is not a health state: the router keeps it out
-of rotation while its requests finish (:mod:`proxy.router`).
+of rotation while its requests finish (:mod:`proxy.routing.router`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from typing import Any
 
 import aiohttp
 
-from .config.pools import HealthConfig
+from ..config.pools import HealthConfig
 
 log = logging.getLogger("llm_qos.engine_health")
 
@@ -194,7 +194,7 @@ class EngineHealth:
                 report a success.
             may_eject: whether this failure may eject the engine if it is the
                 ``failures_to_eject``-th in a row (asked only then, when a callable): the
-                pool's floor (:meth:`proxy.router.PoolRouter.report`). Refused, the
+                pool's floor (:meth:`proxy.routing.router.PoolRouter.report`). Refused, the
                 engine stays in rotation; the refusal is counted and logged once per
                 episode.
 
@@ -322,7 +322,7 @@ class HealthChecker:
     64 KiB.
 
     An engine is anything with ``name``, ``url``, ``health`` (an :class:`EngineHealth`)
-    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.router.EngineState`).
+    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.routing.router.EngineState`).
 
     ``on_checked``, when given, is called with the engine after each check or probe has
     been recorded (the proxy dispatches the engine's pool there: room may have come back).

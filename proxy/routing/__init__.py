@@ -1,0 +1,18 @@
+"""Which engine serves a request: model -> pool, pool -> engine (bound late), and whether
+an engine is fit to serve.
+
+* :mod:`.model_routing`: the ``model`` a request names picks its pool; the models list.
+* :mod:`.router`: :class:`~.router.PoolRouter`, a pool's capacity as its scheduler sees
+  it (does the head of the queue fit? place it on the engine with the most room; free
+  it), and rerouting to another engine.
+* :mod:`.engine_health`: when an engine leaves rotation and comes back (a pure state
+  machine, and the task that sends its checks and probes).
+* :mod:`.engine_meter`: each engine's time to first token and per output token, as the
+  proxy measures them (the capacity controller's input).
+* :mod:`.engine_metrics`: the engines' Prometheus series, read from the routers.
+
+Routing holds no queue (admission asks the router whether a ticket fits) and sends no
+request (the relay does).
+
+May import: config, wire.
+"""
