@@ -29,7 +29,7 @@ import orjson
 import yaml
 from aiohttp import web
 
-from proxy.admission import Admission
+from proxy.admission.admission import Admission
 from proxy.app import create_app
 from proxy.config.schema import config_digest, parse_config
 from proxy.handlers import STATE

@@ -72,7 +72,7 @@ async def status(request: web.Request) -> web.Response:
     only by ``admission.max_users``). Summed over the pools, with ``pools`` (each pool's
     queue and in flight) and ``engines`` (each engine's health state, in flight, tokens
     in flight, load, routed requests, ejections: :meth:`proxy.routing.router.EngineState.status`);
-    see :meth:`proxy.admission.Admission.snapshot`; and ``shared_state``: the shared
+    see :meth:`proxy.admission.admission.Admission.snapshot`; and ``shared_state``: the shared
     state's mode, live replicas, grants per capacity key, syncs and the last sync's age
     and round trip (``docs/scaling.md``)."""
     if (denied := check_admin(request)) is not None:

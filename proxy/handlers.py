@@ -4,7 +4,7 @@ The life of a completion request (``handle_generation``):
 
 1. read and parse the body (400 on bad input, 413 over ``limits.max_body_bytes``);
 2. resolve the caller (401 for a key the config does not know, or no known key under
-   ``require_api_key``: :meth:`proxy.identity.IdentityResolver.refusal`);
+   ``require_api_key``: :meth:`proxy.admission.identity.IdentityResolver.refusal`);
 3. route it by ``model`` to a pool (404 ``model_not_found``; :mod:`proxy.routing.model_routing`);
 4. wait for admission in that pool (429 rate limit / queue full / timeout, 503 evicted /
    shutdown / no healthy engine); the ticket comes back placed on an engine (bind late);
@@ -12,9 +12,9 @@ The life of a completion request (``handle_generation``):
    504 no headers in time; :mod:`proxy.upstream`), with the body built for that engine
    (:mod:`proxy.engine_body`: alias, two-level priority; :mod:`proxy.upstream_body`). A
    connection that failed before any byte was sent moves the request to another engine
-   of the pool (:meth:`proxy.admission.Admission.reroute`); the engine's health hears of
-   every outcome (:meth:`proxy.admission.Admission.report`);
-   A request preempted before its client was shown anything (:mod:`proxy.admission`)
+   of the pool (:meth:`proxy.admission.admission.Admission.reroute`); the engine's health hears of
+   every outcome (:meth:`proxy.admission.admission.Admission.report`);
+   A request preempted before its client was shown anything (:mod:`proxy.admission.admission`)
    closes its upstream request, waits at the head of its queue, and goes to step 5 again
    with the engine it is given then: its client sees only the later answer;
 6. relay the answer (:mod:`proxy.relay`, :mod:`proxy.assemble`); 7. release the slot
@@ -50,7 +50,7 @@ from .config.pools import public_url
 from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
 from . import request_kinds as kinds
-from .admission import NoEngine
+from .admission.admission import NoEngine
 from .wire.request_body import BadRequest, ParsedRequest
 from .request_kinds import RequestKind, prompt_prefix
 from .routing.router import EngineState, affinity_key
@@ -469,7 +469,7 @@ def _message_of(body: bytes) -> str:
 
 def _shown(ticket) -> None:
     """The client is sent the first byte of ``ticket``'s answer: it is never preempted
-    after this (:mod:`proxy.admission`)."""
+    after this (:mod:`proxy.admission.admission`)."""
     ticket.shown = True
 
 

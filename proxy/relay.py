@@ -86,7 +86,7 @@ class Exchange:
         engine_error_status: the 4xx/5xx that error names (its numeric ``code``), if any:
             a 5xx counts against the engine's health like a 5xx status.
         preemptions: times the request was preempted before its answer (each attempt
-            aborted upstream unseen by the client; :mod:`proxy.admission`).
+            aborted upstream unseen by the client; :mod:`proxy.admission.admission`).
     """
 
     arrived_at: float
@@ -247,7 +247,7 @@ async def relay_stream(
             (the engine sends its headers at once, before its first token), and
             ``on_show()`` is called right before they go to the client: until then the
             client has been shown nothing (a request still waiting inside the engine
-            may be preempted, :mod:`proxy.admission`). ``None``: headers at once.
+            may be preempted, :mod:`proxy.admission.admission`). ``None``: headers at once.
 
     Returns:
         The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (an in-band

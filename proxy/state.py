@@ -8,17 +8,17 @@ import time
 from dataclasses import dataclass, field
 
 from .routing import engine_metrics
-from .admission import Admission, Pool, Preemption
-from .capacity_leases import BoundPool, LeaseBinding
+from .admission.admission import Admission, Pool, Preemption
+from .admission.lease_binding import BoundPool, LeaseBinding
 from .config.schema import Config, with_upstream_urls
 from .routing.engine_health import HealthChecker
-from .identity import IdentityResolver
+from .admission.identity import IdentityResolver
 from .telemetry.metrics import Metrics, SharedStateCollector
 from .routing.model_routing import ModelTable
 from .config.pools import public_url
 from .routing.router import EngineState
 from .shared import StandaloneState, create_shared_state
-from .shared_limits import SharedRateLimiter
+from .admission.rate_reservation import SharedRateLimiter
 from .upstream import Upstream
 
 log = logging.getLogger("llm_qos.proxy")
@@ -57,8 +57,8 @@ class ProxyState:
             the deployment: it assumes at least ``count`` replicas before Redis says).
 
     With ``shared_state``, the scheduler's capacity is leased per engine
-    (:mod:`proxy.capacity_leases`) and its rate limits are reserved in Redis
-    (:mod:`proxy.shared_limits`); without it, the process is standalone, as before.
+    (:mod:`proxy.admission.lease_binding`) and its rate limits are reserved in Redis
+    (:mod:`proxy.admission.rate_reservation`); without it, the process is standalone, as before.
 
     Raises:
         ConfigError: the override does not fit the config.
@@ -159,7 +159,7 @@ class ProxyState:
     def sync_engines(self) -> None:
         """Give every engine its :class:`proxy.upstream.Upstream` (new ones a fresh pool
         of connections, kept ones their new settings) and watch the health of the
-        engines of pools that track it (:attr:`proxy.admission.Pool.tracks_health`)."""
+        engines of pools that track it (:attr:`proxy.admission.admission.Pool.tracks_health`)."""
         if not self.started:
             return
         watched = []
@@ -203,7 +203,7 @@ class ProxyState:
 
 
 def _preemption(config: Config) -> Preemption:
-    """``admission.preemption`` as :class:`proxy.admission.Preemption`."""
+    """``admission.preemption`` as :class:`proxy.admission.admission.Preemption`."""
     p = config.admission.preemption
     return Preemption(p.enabled, None if p.after_s == "auto" else float(p.after_s), p.max_per_request)
 

@@ -19,7 +19,7 @@ than ``upstream.keepalive_timeout_s``, which is kept below the engines' own idle
 (uvicorn's 5 s: vLLM, SGLang, transformers serve, LightLLM 0.0.1; LightLLM v1.2.0's hypercorn: 10 s). A connect failure
 (nothing sent, :attr:`UpstreamError.unsent`) is never retried on the same engine: the
 handler sends the request to another engine of its pool when there is one
-(:meth:`proxy.admission.Admission.reroute`), else answers 502 at once.
+(:meth:`proxy.admission.admission.Admission.reroute`), else answers 502 at once.
 """
 
 from __future__ import annotations

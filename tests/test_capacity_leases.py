@@ -7,7 +7,7 @@ import dataclasses
 
 import yaml
 
-from proxy.capacity_leases import BoundPool, LeaseBinding
+from proxy.admission.lease_binding import BoundPool, LeaseBinding
 from proxy.config.schema import parse_config
 from proxy.routing.router import PoolRouter
 from proxy.shared import StandaloneState

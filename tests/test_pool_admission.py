@@ -1,4 +1,4 @@
-"""Admission across pools (:class:`proxy.admission.Admission`), in process: the schedulers
+"""Admission across pools (:class:`proxy.admission.admission.Admission`), in process: the schedulers
 of several pools, the rate limits they share, engines leaving and coming back, and pools
 removed by a reload. The relay around it is covered through the real proxy process in
 ``tests/test_pools_process.py``."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import yaml
 
-from proxy.admission import Admission, NoEngine
+from proxy.admission.admission import Admission, NoEngine
 from proxy.config.schema import parse_config
 from qos import RefusalReason, Refused, TicketState
 from tests.conftest import base_config, wait_until

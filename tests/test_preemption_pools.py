@@ -1,4 +1,4 @@
-"""Preemption per engine with ``pools`` (:class:`proxy.admission.Admission` in process,
+"""Preemption per engine with ``pools`` (:class:`proxy.admission.admission.Admission` in process,
 its timer on the running loop): the waiting request takes the room of a lower request on
 an engine it can use, and only there."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.admission import Admission, Preemption
+from proxy.admission.admission import Admission, Preemption
 from qos import TicketState
 from tests.conftest import wait_until
 from tests.test_pool_admission import config, pool

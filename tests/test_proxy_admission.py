@@ -184,7 +184,7 @@ def test_no_engine_message_states_the_seconds_retry_after_says():
     round up (a wait of 1.3 s said "1 s" beside ``Retry-After: 2``)."""
     import re
 
-    from proxy.admission import NoEngine
+    from proxy.admission.admission import NoEngine
     from proxy.wire.errors import error_response
 
     for wait in (0.2, 1.0, 1.3, 1.5, 1.99, 2.01, 29.4):

@@ -18,7 +18,7 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
   (:func:`proxy.load_signal.capacity_for`: 1 while it reports itself saturated; absent when
   there is none; an adaptive engine's controller reacts to the same reading), and ``lease`` is this
   process's part of the engine when several replicas share it (granted through Redis:
-  :mod:`proxy.capacity_leases`; absent standalone). A lease may be 0, and a token lease
+  :mod:`proxy.admission.lease_binding`; absent standalone). A lease may be 0, and a token lease
   caps ``inflight_tokens + t`` (another replica's requests may be running there).
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
 * **headroom of a class**: a request of a class with ``headroom`` h (the fraction of each
@@ -174,7 +174,7 @@ class EngineState:
         (:mod:`qos.capacity_control`; ``max_inflight`` when fixed), lowered by an outside
         limit (``capacity_limit``: a fixed capacity's load-signal hold,
         :func:`proxy.load_signal.capacity_for`): what several replicas' leases share out
-        (:mod:`proxy.capacity_leases`)."""
+        (:mod:`proxy.admission.lease_binding`)."""
         cap = min(self.control.value, self.spec.max_inflight)
         limit = self.capacity_limit
         return cap if limit is None else max(1, min(limit, cap))
@@ -205,7 +205,7 @@ class EngineState:
     def set_lease(self, slots: int | None, tokens: int | None) -> None:
         """This process's part of the engine, in requests and reserved tokens (``None``:
         the engine is this process's alone), as granted by the shared state
-        (:mod:`proxy.capacity_leases`). Lowering it lets the surplus finish; after raising
+        (:mod:`proxy.admission.lease_binding`). Lowering it lets the surplus finish; after raising
         it, the pool's scheduler must dispatch."""
         self.lease_slots, self.lease_tokens = slots, tokens
 
@@ -383,7 +383,7 @@ class PoolRouter:
         affinity_of: returns the affinity key of a ticket given to :meth:`reserve`
             without one (see :func:`affinity_key`); default: none.
         leased: the engines are shared with other replicas through leases
-            (:mod:`proxy.capacity_leases`): an engine added here starts with a lease of 0
+            (:mod:`proxy.admission.lease_binding`): an engine added here starts with a lease of 0
             until one is granted.
 
     Attributes:

@@ -49,7 +49,7 @@ OUTCOMES = (OUTCOME_OK, OUTCOME_CLIENT_GONE, OUTCOME_REFUSED, OUTCOME_UPSTREAM_E
 # why an upstream request was aborted (label ``reason`` of llm_qos_upstream_aborts_total):
 # the request's outcome, or ABORT_UNKNOWN when the relay ended without one
 ABORT_UNKNOWN = "error"
-ABORT_PREEMPTED = "preempted"  # a lower group's request preempted for a higher one's (proxy.admission)
+ABORT_PREEMPTED = "preempted"  # a lower group's request preempted for a higher one's (proxy.admission.admission)
 ABORT_REASONS = (OUTCOME_CLIENT_GONE, OUTCOME_UPSTREAM_ERROR, ABORT_UNKNOWN, ABORT_PREEMPTED)
 
 # admission refusals (label ``reason``): every wire code but the client's own cancel,

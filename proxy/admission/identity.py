@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .config.schema import Config
+from ..config.schema import Config
 
 ANONYMOUS = "anonymous"
 

@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from qos import Scheduler, Ticket
 
-from .shared import CapacityReport, ClassDemand, SyncReport
+from ..shared import CapacityReport, ClassDemand, SyncReport
 
 
 class LeasedEngine(Protocol):

@@ -58,10 +58,10 @@ from dataclasses import dataclass
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 from qos.rate_limit import RateLimiter
 
-from .wire.errors import retry_after_seconds
-from .config.pools import PoolSpec
-from .routing.router import EngineState, PoolCapacity, PoolRouter
-from .shared_limits import SharedRateLimiter, reserve_and_submit
+from ..wire.errors import retry_after_seconds
+from ..config.pools import PoolSpec
+from ..routing.router import EngineState, PoolCapacity, PoolRouter
+from .rate_reservation import SharedRateLimiter, reserve_and_submit
 
 
 FORGET_SLACK_S = 0.01  # the forget timer fires this much after an idle user's deadline
@@ -168,10 +168,10 @@ class Admission:
         clock: monotonic clock in seconds (the schedulers').
         rate_limiter: the rate limits every pool reserves from (default: one private
             :class:`qos.RateLimiter` of ``2 * policy.max_users + 64`` buckets, resized with
-            the policy); a :class:`proxy.shared_limits.SharedRateLimiter` reserves them in
+            the policy); a :class:`proxy.admission.rate_reservation.SharedRateLimiter` reserves them in
             the shared state (Redis) before each submit.
         leased: the engines' capacity is leased through a shared state
-            (:mod:`proxy.capacity_leases`): a new engine takes nothing before its lease.
+            (:mod:`proxy.admission.lease_binding`): a new engine takes nothing before its lease.
 
     Attributes:
         clock: the schedulers' clock.

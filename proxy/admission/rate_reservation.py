@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from qos import RefusalReason, Refused, Scheduler, Ticket
 
-from .shared import RateLimited, Reservation
+from ..shared import RateLimited, Reservation
 
 
 class SharedRateLimiter:

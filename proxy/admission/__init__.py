@@ -1,0 +1,15 @@
+"""Who is asking, and when they may go: the asyncio face of the :mod:`qos` schedulers.
+
+* :mod:`.identity`: API key or trusted header -> (user, group).
+* :mod:`.admission`: one scheduler per pool, whose capacity is the pool's router: wait
+  for a slot on an engine, give it back exactly once; preemption.
+* :mod:`.rate_reservation`: a request's rate-limit take reserved in the shared state
+  before it reaches the scheduler, and handed to the scheduler to refund or settle
+  (:class:`~.rate_reservation.SharedRateLimiter`). The buckets themselves, the Redis
+  scripts and their local mirror, are :mod:`proxy.shared.rate_limits`.
+* :mod:`.lease_binding`: what binds the shared state's capacity leases
+  (:mod:`proxy.shared.leases`, the lease table in Redis) to the schedulers and the
+  engines: the units each engine has in flight, per class, and the lease each may use.
+
+May import: config, wire, routing, shared.
+"""
