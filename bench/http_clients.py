@@ -90,7 +90,7 @@ def _body(stream: bool, max_tokens: int) -> bytes:
 
 
 class AiohttpClient:
-    """aiohttp's ClientSession as the proxy configures it (``proxy/upstream.py``)."""
+    """aiohttp's ClientSession as the proxy configures it (``proxy/relay/upstream.py``)."""
 
     def __init__(self, url: str, conc: int) -> None:
         import aiohttp

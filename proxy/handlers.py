@@ -9,15 +9,15 @@ The life of a completion request (``handle_generation``):
 4. wait for admission in that pool (429 rate limit / queue full / timeout, 503 evicted /
    shutdown / no healthy engine); the ticket comes back placed on an engine (bind late);
 5. open the request on that engine, once (502 unreachable or closed without an answer,
-   504 no headers in time; :mod:`proxy.upstream`), with the body built for that engine
-   (:mod:`proxy.engine_body`: alias, two-level priority; :mod:`proxy.upstream_body`). A
+   504 no headers in time; :mod:`proxy.relay.upstream`), with the body built for that engine
+   (:mod:`proxy.relay.engine_body`: alias, two-level priority; :mod:`proxy.relay.upstream_body`). A
    connection that failed before any byte was sent moves the request to another engine
    of the pool (:meth:`proxy.admission.admission.Admission.reroute`); the engine's health hears of
    every outcome (:meth:`proxy.admission.admission.Admission.report`);
    A request preempted before its client was shown anything (:mod:`proxy.admission.admission`)
    closes its upstream request, waits at the head of its queue, and goes to step 5 again
    with the engine it is given then: its client sees only the later answer;
-6. relay the answer (:mod:`proxy.relay`, :mod:`proxy.assemble`); 7. release the slot
+6. relay the answer (:mod:`proxy.relay.relay`, :mod:`proxy.relay.assemble`); 7. release the slot
    exactly once, in ``finally``, with the real token counts; abort the upstream by
    closing its connection unless its answer was read to the end;
 8. log one access line (:func:`_log_access`), whatever the answer.
@@ -41,24 +41,24 @@ from aiohttp import web
 from qos import RefusalReason, Refused
 
 from .telemetry import metrics as m
-from .assemble import ASSEMBLED_KINDS, relay_assembled
-from .engine_body import body_for_engine, priority_value
+from .relay.assemble import ASSEMBLED_KINDS, relay_assembled
+from .relay.engine_body import body_for_engine, priority_value
 from .routing.engine_health import check_path_for
 from .wire.errors import error_response, retry_after_seconds
 from .routing.model_routing import ModelTable, Route, model_error, parse_models_body
 from .config.pools import public_url
-from .relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
+from .relay.relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
 from .wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
-from . import request_kinds as kinds
+from .relay import request_kinds as kinds
 from .admission.admission import NoEngine
 from .wire.request_body import BadRequest, ParsedRequest
-from .request_kinds import RequestKind, prompt_prefix
+from .relay.request_kinds import RequestKind, prompt_prefix
 from .routing.router import EngineState, affinity_key
 from .wire.sse import EventTooLarge
 from .state import ProxyState
-from .upstream import UpstreamError
+from .relay.upstream import UpstreamError
 from .workers import whole_server_metrics
-from .upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
+from .relay.upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
 #: the proxy's own resources, every route but the pass-through catch-all (set by the app)
@@ -80,7 +80,7 @@ def _refusal_response(r: Refused) -> web.Response:
 
 
 async def handle_generation(request: web.Request, kind: RequestKind) -> web.StreamResponse:
-    """Admit, forward and relay one request of ``kind`` (:mod:`proxy.request_kinds`);
+    """Admit, forward and relay one request of ``kind`` (:mod:`proxy.relay.request_kinds`);
     every answer carries ``X-Request-Id`` and makes one access-log line."""
     loop = asyncio.get_running_loop()
     ex = Exchange(arrived_at=loop.time(), request_id=request_id_of(request.headers))
@@ -355,10 +355,10 @@ def native_route(models: ModelTable, model: object) -> Route | None:
 
 def _engine_plan(parsed: ParsedRequest, engine: EngineState, route: Route, kind: RequestKind, policy, group: str) -> UpstreamBody:
     """The body to send ``engine`` (bind late: built once the engine is known): the
-    alias's model name and the two-level priority (:mod:`proxy.engine_body`; a
+    alias's model name and the two-level priority (:mod:`proxy.relay.engine_body`; a
     pass-through body gets only the alias, and only when it is a JSON object that names a
     model), then, for chat and completions, the proxy's own stream settings for that
-    engine (:mod:`proxy.upstream_body`)."""
+    engine (:mod:`proxy.relay.upstream_body`)."""
     if kind.native:
         return UpstreamBody(parsed.body)
     spec = engine.spec
@@ -399,12 +399,12 @@ async def _open(
 ) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
     """Open the upstream request for ``plan`` on ``engine`` (``body_headers``: the
     client's ``Content-Type`` and ``Accept`` for a pass-through body, ``None`` values
-    left out; see :meth:`proxy.upstream.Upstream.open`). An engine that rejects the
+    left out; see :meth:`proxy.relay.upstream.Upstream.open`). An engine that rejects the
     proxy's own ``stream_options`` (a 400/417/422 whose body names it) gets the request
-    once more without them (``proxy.upstream_body``).
+    once more without them (``proxy.relay.upstream_body``).
 
     Raises:
-        UpstreamError: as :meth:`proxy.upstream.Upstream.open`; and 502
+        UpstreamError: as :meth:`proxy.relay.upstream.Upstream.open`; and 502
             ``upstream_error`` when the upstream fails while sending the rejection's body
             (a reset, a short body, ``idle_timeout_s`` of silence).
     """

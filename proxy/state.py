@@ -19,7 +19,7 @@ from .config.pools import public_url
 from .routing.router import EngineState
 from .shared import StandaloneState, create_shared_state
 from .admission.rate_reservation import SharedRateLimiter
-from .upstream import Upstream
+from .relay.upstream import Upstream
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -157,7 +157,7 @@ class ProxyState:
         self.sync_engines()
 
     def sync_engines(self) -> None:
-        """Give every engine its :class:`proxy.upstream.Upstream` (new ones a fresh pool
+        """Give every engine its :class:`proxy.relay.upstream.Upstream` (new ones a fresh pool
         of connections, kept ones their new settings) and watch the health of the
         engines of pools that track it (:attr:`proxy.admission.admission.Pool.tracks_health`)."""
         if not self.started:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.engine_body import body_for_engine, priority_value
+from proxy.relay.engine_body import body_for_engine, priority_value
 
 
 def test_group_ranks_become_each_engines_priority_values():

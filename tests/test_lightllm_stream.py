@@ -8,7 +8,7 @@ import random
 import aiohttp
 import pytest
 
-from proxy.relay import SSEScanner, usage_of
+from proxy.relay.relay import SSEScanner, usage_of
 from tests.lightllm_wire import WireConfig, WireServer
 
 

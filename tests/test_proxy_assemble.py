@@ -6,7 +6,7 @@ import asyncio
 
 import aiohttp
 
-from proxy.assemble import Assembler
+from proxy.relay.assemble import Assembler
 from tests.conftest import base_config, wait_until
 
 
@@ -88,7 +88,7 @@ async def test_non_streaming_disconnect_aborts_a_streamed_upstream(make_stack):
 def test_responses_answer_is_the_terminal_response_with_its_items():
     """A terminal event whose response carries no ``output`` gets the items of the
     ``response.output_item.done`` events, in ``output_index`` order."""
-    from proxy.assemble import ResponsesAssembler
+    from proxy.relay.assemble import ResponsesAssembler
 
     asm = ResponsesAssembler()
     item = lambda i, text: {"type": "message", "id": f"m{i}", "role": "assistant", "content": [{"type": "output_text", "text": text}]}  # noqa: E731

@@ -14,7 +14,7 @@ from bench.scripted_engine import make_app as scripted_engine
 from proxy.wire.errors import responses_error_event
 from proxy.wire.sse import split_events
 from proxy.wire.request_body import BadRequest
-from proxy.request_kinds import (
+from proxy.relay.request_kinds import (
     MAX_EMBEDDING_INPUTS,
     ResponsesStreamScanner,
     cap_max_output_tokens,

@@ -22,7 +22,7 @@ armed, and re-armed for the next one when it fires (:meth:`qos.Scheduler.forget_
 
 Bind late: the returned ticket's ``placement`` is the :class:`proxy.routing.router.EngineState`
 chosen when it was dispatched; the handler opens the request on that engine's ``client``
-(:class:`proxy.upstream.Upstream`). A request whose connection failed before it reached the
+(:class:`proxy.relay.upstream.Upstream`). A request whose connection failed before it reached the
 engine is moved with :meth:`Admission.reroute`.
 
 Preemption (``admission.preemption``): when the head strict priority serves next has

@@ -186,7 +186,7 @@ class EngineConfig(_Model):
     ``priority_field``: two-level scheduling: the body field in which this engine expects
     a request priority (vLLM ``--scheduling-policy priority``, SGLang
     ``--enable-priority-scheduling``: ``priority``); the proxy writes each request's
-    group rank there (:mod:`proxy.engine_body`). Never sent when unset.
+    group rank there (:mod:`proxy.relay.engine_body`). Never sent when unset.
     ``priority_order``: ``lower_first`` (vLLM) or ``higher_first`` (SGLang's default).
     ``max_model_len``: this engine's context length in tokens (default:
     ``upstream.max_model_len``); a request to its pool reserves at most the pool's
@@ -274,7 +274,7 @@ class EngineSpec:
         name: its name (metrics label ``engine``; unique within the pool).
         upstream: the ``upstream`` section this engine is reached with (a
             :class:`proxy.config.schema.UpstreamConfig` whose ``url``, ``kind``, credential and
-            ``load_signal`` are this engine's): pass it to :class:`proxy.upstream.Upstream`
+            ``load_signal`` are this engine's): pass it to :class:`proxy.relay.upstream.Upstream`
             and the load-signal poller as they are.
         max_inflight: the most requests it may run at once (>= 1): the ceiling of its
             capacity controller, or its fixed capacity.

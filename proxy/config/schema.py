@@ -85,13 +85,13 @@ class UpstreamConfig(_Model):
     """Where requests go.
 
     ``stream_non_streaming``: ask the upstream to stream even when the client did not,
-    and assemble the answer in the proxy (:mod:`proxy.assemble`), so that a client that
+    and assemble the answer in the proxy (:mod:`proxy.relay.assemble`), so that a client that
     leaves a non-streaming request aborts the generation on engines that abort only
     streams (``transformers serve``).
 
     ``stream_usage``: on a stream whose client did not ask for usage, ask the engine for
     it (``stream_options.include_usage``) and remove it before the client sees it, so
-    the real token count trues up the fair-share counters (:mod:`proxy.upstream_body`).
+    the real token count trues up the fair-share counters (:mod:`proxy.relay.upstream_body`).
 
     ``kind`` selects protocol quirks: ``openai`` (vLLM, SGLang, transformers serve, hosted
     APIs) or ``lightllm``. ``api_key`` / ``api_key_env`` is the proxy's own credential

@@ -4,7 +4,7 @@ Rules (``docs/routing.md``):
 
 * A request goes to the pool that lists its ``model`` (exact, case-sensitive, as OpenAI
   compares model ids). An alias (``{name, upstream_model}``) is rewritten to the engines'
-  name before the body goes upstream (:func:`proxy.engine_body.body_for_engine`).
+  name before the body goes upstream (:func:`proxy.relay.engine_body.body_for_engine`).
 * A model no pool lists goes to the catch-all pool (``"*"``), if there is one; otherwise
   the answer is 404 ``model_not_found``, shaped as OpenAI's. The single-``upstream`` form
   is a catch-all pool, so it routes every request as before.

@@ -110,7 +110,7 @@ class EngineState:
         load_signal: the poller's state for it, as the dashboard shows it (``off``,
             ``waiting``, ``ok``, ``stale``, ``no_signal``).
         routed: requests placed on it since start (a metric).
-        client: its connections (a :class:`proxy.upstream.Upstream`), set by the proxy.
+        client: its connections (a :class:`proxy.relay.upstream.Upstream`), set by the proxy.
         control: its capacity controller (:class:`qos.capacity_control.CapacityController`),
             stepped by its load poller (:mod:`proxy.load_signal`).
         meter: what the proxy measures of its requests there (:class:`proxy.routing.engine_meter.EngineMeter`).
@@ -336,7 +336,7 @@ def affinity_key(routing: RoutingConfig, session: str | None, prompt_text: str |
     Args:
         session: the value of the ``session_header`` the request carried, if any.
         prompt_text: the start of its prompt (at least ``prefix_chars`` characters when it
-            has that many; see :func:`proxy.request_kinds.prompt_prefix`), if any.
+            has that many; see :func:`proxy.relay.request_kinds.prompt_prefix`), if any.
 
     The session wins over the prefix; an empty value counts as absent.
     """

@@ -37,7 +37,7 @@ Two are rewritten, because they describe something the proxy changed:
   content is equivalent, not byte-identical; nginx's gzip weakens them too), and
   ``Content-MD5``, ``Content-Digest``, ``Repr-Digest`` and ``Digest``, which are digests
   of the encoded bytes (RFC 9530), are dropped. An assembled answer
-  (:mod:`proxy.assemble`) drops ``ETag`` too: it is another representation.
+  (:mod:`proxy.relay.assemble`) drops ``ETag`` too: it is another representation.
 
 Client request → upstream: only ``X-Request-Id`` (below) and the W3C trace context,
 ``traceparent``, ``tracestate`` and ``baggage``, as the client sent them, so an engine

@@ -153,7 +153,7 @@ class SSEScanner:
     """
 
     __slots__ = ("native", "_buf", "tokens", "prompt_tokens", "done", "finished", "ended_choices", "error", "events")
-    sse = True  # events the proxy reads (:class:`proxy.relay.StreamScanner`)
+    sse = True  # events the proxy reads (:class:`proxy.relay.relay.StreamScanner`)
 
     def __init__(self, native: bool = False) -> None:
         self.native = native
@@ -309,7 +309,7 @@ class OpaqueStream:
     gets no event the proxy made up (it cannot know the format): :meth:`cut` returns
     ``None`` and the relay drops the client's connection instead, so the client sees a
     broken transfer, as it would from the engine itself. Same interface as
-    :class:`SSEScanner`, for :func:`proxy.relay.relay_stream`.
+    :class:`SSEScanner`, for :func:`proxy.relay.relay.relay_stream`.
     """
 
     __slots__ = ("_ended",)

@@ -5,7 +5,7 @@ bytes (aiohttp's ``write`` waits while the client's socket buffer is full, so a 
 reader holds back the upstream instead of growing our memory). An :class:`~proxy.wire.sse.SSEScanner`
 follows the events beside the relay to count output tokens, pick up ``usage``, and see
 how the stream ends. When the proxy asked for usage the client did not, a
-:class:`~proxy.wire.sse.UsageStripper` removes it first (``proxy.upstream_body``).
+:class:`~proxy.wire.sse.UsageStripper` removes it first (``proxy.relay.upstream_body``).
 
 The relay tells the truth about how a stream ended (``shared/interop/lightllm.md``,
 ``shared/interop/cpu-engine.md``):
@@ -44,10 +44,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .wire.errors import error_status
-from .telemetry.metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
-from .wire.headers import REQUEST_ID, client_headers, content_coding
-from .wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
+from ..wire.errors import error_status
+from ..telemetry.metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from ..wire.headers import REQUEST_ID, client_headers, content_coding
+from ..wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
 
 #: a stream's output count goes to the scheduler and the engine's meter at most this often
 #: (seconds), after its first token at once: a fast engine's tokens (1 ms apart) cost one
@@ -68,7 +68,7 @@ class Exchange:
         request_id: the request's id (sent upstream and to the client).
         user, group: the caller, once known ("" before).
         model: the body's ``model`` (at most 128 characters), if any.
-        kind: the request's kind (:attr:`proxy.request_kinds.RequestKind.name`).
+        kind: the request's kind (:attr:`proxy.relay.request_kinds.RequestKind.name`).
         status: the HTTP status sent to the client (0: none yet; 499: the client left
             before any).
         queue_wait: seconds from arrival to dispatch (or to refusal), once known.
@@ -236,7 +236,7 @@ async def relay_stream(
         scanner: follows the stream in its format and says how it ended
             (:class:`StreamScanner`: OpenAI-style or LightLLM native,
             :class:`proxy.wire.sse.SSEScanner`; Responses API,
-            :class:`proxy.request_kinds.ResponsesStreamScanner`; a pass-through path's,
+            :class:`proxy.relay.request_kinds.ResponsesStreamScanner`; a pass-through path's,
             :class:`proxy.wire.sse.OpaqueStream`).
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
         choices: how many choices the client asked for (``n``): each must get its

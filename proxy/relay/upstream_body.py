@@ -5,7 +5,7 @@ routes:
 
 * ``upstream.stream_non_streaming``: a non-streaming request is sent with
   ``stream: true`` and ``stream_options.include_usage: true`` and the answer assembled in
-  the proxy (:mod:`proxy.assemble`);
+  the proxy (:mod:`proxy.relay.assemble`);
 * ``upstream.stream_usage``: a streaming request whose client did not ask for
   ``stream_options.include_usage`` is sent with it, so the engine reports the real token
   count that trues up the fair-share counters; the relay removes that usage again
@@ -16,7 +16,7 @@ proxy then does not pass that 400 on for a valid request: when the rejection (40
 or 422) names ``stream_options`` or ``include_usage`` in its body, as schema validators
 do (pydantic's ``loc``, OpenAI's ``param``), it sends the request once more without
 ``stream_options`` and, when that one is accepted, remembers per upstream not to add it
-again (:class:`proxy.upstream.Upstream`'s ``accepts_stream_options``, logged once). Why
+again (:class:`proxy.relay.upstream.Upstream`'s ``accepts_stream_options``, logged once). Why
 retry rather than probe first: no start-up dependency on the engine or its model name,
 no probe traffic, and a rejection costs one round trip once per upstream; a validation
 error is answered before any generation starts, so the second attempt never doubles
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from .config.schema import UpstreamConfig
-from .wire.request_body import BadRequest, ParsedRequest
+from ..config.schema import UpstreamConfig
+from ..wire.request_body import BadRequest, ParsedRequest
 
 # statuses with which engines refuse a request's shape before generating: OpenAI-style
 # 400, FastAPI/pydantic 422, LightLLM 417
@@ -94,7 +94,7 @@ def plan_upstream_body(parsed: ParsedRequest, config: UpstreamConfig, accepts_st
         config: the ``upstream`` section.
         accepts_stream_options: whether this upstream has not rejected ``stream_options``.
 
-    Only for chat and completions (:attr:`proxy.request_kinds.RequestKind.proxy_fields`):
+    Only for chat and completions (:attr:`proxy.relay.request_kinds.RequestKind.proxy_fields`):
     other kinds' bodies go as they are.
 
     Raises:

@@ -44,7 +44,7 @@ and a stream that ended before every choice got its ``finish_reason`` (and witho
 ``[DONE]``; for Responses, before its terminal event) becomes a 502
 ``upstream_stream_incomplete``: never a 200 with partial text. One that had finished and
 then broke before its end lost nothing, and is answered whole. The request body the
-proxy sends upstream instead is built by :mod:`proxy.upstream_body`.
+proxy sends upstream instead is built by :mod:`proxy.relay.upstream_body`.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .wire.errors import engine_error_response, error_response
-from .telemetry.metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
+from ..wire.errors import engine_error_response, error_response
+from ..telemetry.metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay import UPSTREAM_FAILURES, Exchange, note_engine_error, note_upstream_id, usage_of
-from .wire.headers import client_headers
+from ..wire.headers import client_headers
 from .request_kinds import ResponsesStreamScanner
-from .wire.sse import SSEScanner, event_payloads
+from ..wire.sse import SSEScanner, event_payloads
 
 # text a delta streams in pieces: ``reasoning`` is vLLM's newer name for ``reasoning_content``
 _TEXT_FIELDS = ("content", "refusal", "reasoning_content", "reasoning")
@@ -313,9 +313,9 @@ async def relay_assembled(upstream: aiohttp.ClientResponse, ex: Exchange, kind: 
 
     Args:
         upstream: the upstream response (status 200, ``text/event-stream``).
-        ex: the :class:`proxy.relay.Exchange`; status, token counts and outcome are set.
+        ex: the :class:`proxy.relay.relay.Exchange`; status, token counts and outcome are set.
         kind: the request's kind, one of :data:`ASSEMBLED_KINDS`
-            (:attr:`proxy.request_kinds.RequestKind.name`): ``chat``, ``completion``
+            (:attr:`proxy.relay.request_kinds.RequestKind.name`): ``chat``, ``completion``
             (:class:`Assembler`) or ``responses`` (:class:`ResponsesAssembler`).
         choices: how many choices the client asked for (``n``).
         base_url: the engine's base URL (:func:`proxy.wire.headers.client_headers`).

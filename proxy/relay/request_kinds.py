@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable
 
 import orjson
 
-from .wire.errors import responses_error_event
-from .wire.request_body import (
+from ..wire.errors import responses_error_event
+from ..wire.request_body import (
     DEFAULT_COSTS,
     IMAGE_PARTS,
     MEDIA_PARTS,
@@ -40,10 +40,10 @@ from .wire.request_body import (
     parse_generate,
     text_tokens,
 )
-from .wire.sse import OpaqueStream, SSEScanner, parse_event, take_events
+from ..wire.sse import OpaqueStream, SSEScanner, parse_event, take_events
 
 if TYPE_CHECKING:
-    from .config.schema import Config
+    from ..config.schema import Config
     from .relay import StreamScanner
 
 #: OpenAI: an embeddings ``input`` array holds at most 2048 entries.
@@ -349,7 +349,7 @@ _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 class ResponsesStreamScanner:
     """Follows a Responses API event stream across arbitrary chunk boundaries, for
     accounting and to tell a real finish from a cut; the same interface as
-    :class:`proxy.wire.sse.SSEScanner`, for :func:`proxy.relay.relay_stream`.
+    :class:`proxy.wire.sse.SSEScanner`, for :func:`proxy.relay.relay.relay_stream`.
 
     Every event whose type ends in ``.delta`` (output text, refusal, reasoning, function
     call arguments, ...) counts as one output token until ``usage`` gives the real
@@ -498,9 +498,9 @@ class RequestKind:
         cap: applies a group's ``max_tokens`` cap, ``(parsed, cap, reject) ->
             ParsedRequest``; ``None``: nothing for the cap to bound (embeddings,
             pass-through).
-        scanner: makes the follower of this kind's stream (:class:`proxy.relay.StreamScanner`).
+        scanner: makes the follower of this kind's stream (:class:`proxy.relay.relay.StreamScanner`).
         proxy_fields: the proxy may add its own stream settings (``stream_options``,
-            ``upstream.stream_non_streaming``: :mod:`proxy.upstream_body`); chat and
+            ``upstream.stream_non_streaming``: :mod:`proxy.relay.upstream_body`); chat and
             completions only.
         native: LightLLM's native routes: the body is never rewritten, and the pool's
             engines must all be ``kind: lightllm``.

@@ -32,9 +32,9 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from .config.schema import UpstreamConfig
-from .config.pools import public_url
-from .wire.headers import REQUEST_ID
+from ..config.schema import UpstreamConfig
+from ..config.pools import public_url
+from ..wire.headers import REQUEST_ID
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -78,7 +78,7 @@ class Upstream:
 
     Attributes:
         accepts_stream_options: False once this upstream has rejected a request for its
-            ``stream_options`` and accepted it without (:mod:`proxy.upstream_body`);
+            ``stream_options`` and accepted it without (:mod:`proxy.relay.upstream_body`);
             back to True when the URL changes.
 
     Create it inside a running event loop; :meth:`close` it on shutdown.
