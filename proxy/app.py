@@ -10,8 +10,8 @@ from . import admin, dashboard, handlers, openapi
 from .config.schema import Config
 from .wire.errors import error_response
 from .handlers import STATE
-from .load_signal import LOAD_SIGNAL, LoadSignal
-from .state import ProxyState
+from .runtime.load_signal import LOAD_SIGNAL, LoadSignal
+from .runtime.state import ProxyState
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -58,7 +58,7 @@ def create_app(
 
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):
     that is how a client's disconnect reaches the handler and aborts the upstream.
-    ``worker``: (index, count) for one of ``--workers`` processes (:mod:`proxy.workers`).
+    ``worker``: (index, count) for one of ``--workers`` processes (:mod:`proxy.runtime.workers`).
     """
     app = web.Application(middlewares=[guard], client_max_size=config.limits.max_body_bytes)
     state = ProxyState(config, digest, config_path, upstream_override, worker)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --workers must be at least 1", file=sys.stderr)
             return 2
         if args.workers > 1 and args.worker_index is None:
-            from .workers import supervise
+            from .runtime.workers import supervise
 
             return supervise(args.config, args.host, args.port, args.upstream, not args.no_watch, args.workers, ["--log-format", args.log_format, "--access-log", args.access_log])
         from .server import run

@@ -55,9 +55,9 @@ from .wire.request_body import BadRequest, ParsedRequest
 from .relay.request_kinds import RequestKind, prompt_prefix
 from .routing.router import EngineState, affinity_key
 from .wire.sse import EventTooLarge
-from .state import ProxyState
+from .runtime.state import ProxyState
 from .relay.upstream import UpstreamError
-from .workers import whole_server_metrics
+from .runtime.workers import whole_server_metrics
 from .relay.upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
@@ -741,6 +741,6 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text format; under ``--workers``, every worker's series
-    (:func:`proxy.workers.whole_server_metrics`)."""
+    (:func:`proxy.runtime.workers.whole_server_metrics`)."""
     body = await whole_server_metrics(request.app[STATE])
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -17,10 +17,10 @@ from .telemetry import log_format as log_format_module
 from .admin import RELOADER
 from .app import create_app
 from .config.schema import config_digest, parse_config
-from .config_watch import reload_config, watch_config
+from .runtime.config_watch import reload_config, watch_config
 from .handlers import STATE
 from .config.pools import public_url
-from .workers import start_worker_socket
+from .runtime.workers import start_worker_socket
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -39,7 +39,7 @@ async def serve(
     On a stop signal: stop accepting connections, refuse queued requests (503), let
     requests in flight finish for up to ``drain_timeout_s`` seconds, then close.
     ``worker``: (index, count) when this is one of ``--workers`` processes: the port is
-    bound with SO_REUSEPORT (:mod:`proxy.workers`).
+    bound with SO_REUSEPORT (:mod:`proxy.runtime.workers`).
 
     Raises:
         ConfigError: the initial config is invalid (nothing starts).

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from proxy.config.schema import ConfigError, load_config, parse_config
-from proxy.config_watch import reload_config, watch_config
+from proxy.runtime.config_watch import reload_config, watch_config
 from tests.conftest import base_config, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from proxy import dashboard
-from proxy.config_watch import reload_config
+from proxy.runtime.config_watch import reload_config
 from proxy.dashboard import bucket_quantile
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
 from tests.conftest import base_config, wait_until

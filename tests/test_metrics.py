@@ -9,7 +9,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config_watch import reload_config
+from proxy.runtime.config_watch import reload_config
 from proxy.telemetry.metrics import ABORT_REASONS, DIRECTIONS, OUTCOMES, REFUSAL_REASONS, RELOAD_RESULTS, LabelCache
 from qos import RefusalReason
 from tests.conftest import base_config

@@ -7,7 +7,7 @@ import asyncio
 
 import yaml
 
-from proxy.config_watch import reload_config
+from proxy.runtime.config_watch import reload_config
 from tests.conftest import wait_until
 
 ADMIN = {"Authorization": "Bearer sk-admin"}

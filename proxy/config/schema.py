@@ -55,7 +55,7 @@ class RateLimitConfig(_Model):
 
 
 class LoadSignalConfig(_Model):
-    """Hold new admissions while the engine reports itself saturated (:mod:`proxy.load_signal`).
+    """Hold new admissions while the engine reports itself saturated (:mod:`proxy.runtime.load_signal`).
 
     ``enabled``: ``auto`` (default) polls ``GET /token_load`` on a ``lightllm`` upstream and
     ``GET /metrics`` on an ``openai`` one, and stops polling when that has no vLLM or

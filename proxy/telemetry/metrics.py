@@ -16,7 +16,7 @@ are still counted under it when they finish.
 Under ``llm-qos proxy --workers N`` every series also carries ``worker`` (the worker's
 index, 0..N-1): each worker renders its own registry with that label, and a scrape of
 ``/metrics`` on the shared port answers with every worker's series
-(:func:`proxy.workers.whole_server_metrics`, merged by :func:`merge_expositions`).
+(:func:`proxy.runtime.workers.whole_server_metrics`, merged by :func:`merge_expositions`).
 
 Only ``prometheus_client``'s public API is used. Its ``labels()`` validates and converts
 its arguments and takes a lock on every call (about 1 µs); :class:`LabelCache` keeps the

@@ -7,19 +7,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .routing import engine_metrics
-from .admission.admission import Admission, Pool, Preemption
-from .admission.lease_binding import BoundPool, LeaseBinding
-from .config.schema import Config, with_upstream_urls
-from .routing.engine_health import HealthChecker
-from .admission.identity import IdentityResolver
-from .telemetry.metrics import Metrics, SharedStateCollector
-from .routing.model_routing import ModelTable
-from .config.pools import public_url
-from .routing.router import EngineState
-from .shared import StandaloneState, create_shared_state
-from .admission.rate_reservation import SharedRateLimiter
-from .relay.upstream import Upstream
+from ..routing import engine_metrics
+from ..admission.admission import Admission, Pool, Preemption
+from ..admission.lease_binding import BoundPool, LeaseBinding
+from ..config.schema import Config, with_upstream_urls
+from ..routing.engine_health import HealthChecker
+from ..admission.identity import IdentityResolver
+from ..telemetry.metrics import Metrics, SharedStateCollector
+from ..routing.model_routing import ModelTable
+from ..config.pools import public_url
+from ..routing.router import EngineState
+from ..shared import StandaloneState, create_shared_state
+from ..admission.rate_reservation import SharedRateLimiter
+from ..relay.upstream import Upstream
 
 log = logging.getLogger("llm_qos.proxy")
 

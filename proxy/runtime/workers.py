@@ -48,7 +48,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from .config.schema import ConfigError, load_config
+from ..config.schema import ConfigError, load_config
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -107,7 +107,7 @@ async def whole_server_metrics(state) -> bytes:
     processes, every worker's series (each labelled ``worker``) in one exposition, with
     ``llm_qos_worker_up{worker}`` 1 for each worker that answered (see the module
     docstring). Never raises: a worker that does not answer is left out (0)."""
-    from .telemetry.metrics import merge_expositions
+    from ..telemetry.metrics import merge_expositions
 
     directory = os.environ.get(WORKER_DIR_ENV)
     own = state.metrics.render()

@@ -62,8 +62,8 @@ from prometheus_client.registry import Collector
 
 from qos.capacity_control import Observation
 
-from .config.schema import LoadSignalConfig, UpstreamConfig
-from .config.pools import public_url
+from ..config.schema import LoadSignalConfig, UpstreamConfig
+from ..config.pools import public_url
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.load_signal")

@@ -15,8 +15,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from .config.schema import ConfigError, config_digest, parse_config
-from .telemetry.metrics import RELOAD_ERROR, RELOAD_OK
+from ..config.schema import ConfigError, config_digest, parse_config
+from ..telemetry.metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 
 log = logging.getLogger("llm_qos.config")
