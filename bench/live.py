@@ -1,4 +1,4 @@
-"""Live run: the real proxy (``proxy.app.create_app``) in front of
+"""Live run: the real proxy (``proxy.api.app.create_app``) in front of
 :mod:`bench.rate_upstream`, driven by the workload of :mod:`bench.workload`.
 
 The upstream runs in a child process; the proxy and the load generator share this
@@ -30,9 +30,9 @@ import yaml
 from aiohttp import web
 
 from proxy.admission.admission import Admission
-from proxy.app import create_app
+from proxy.api.app import create_app
 from proxy.config.schema import config_digest, parse_config
-from proxy.handlers import STATE
+from proxy.api.handlers import STATE
 
 from .policies import make_scheduler
 from .sim import RequestResult, RunResult

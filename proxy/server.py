@@ -14,11 +14,11 @@ from aiohttp import web
 
 from .telemetry import log_filters
 from .telemetry import log_format as log_format_module
-from .admin import RELOADER
-from .app import create_app
+from .api.admin import RELOADER
+from .api.app import create_app
 from .config.schema import config_digest, parse_config
 from .runtime.config_watch import reload_config, watch_config
-from .handlers import STATE
+from .api.handlers import STATE
 from .config.pools import public_url
 from .runtime.workers import start_worker_socket
 

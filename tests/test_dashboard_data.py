@@ -9,9 +9,9 @@ import math
 import pytest
 import yaml
 
-from proxy import dashboard
+from proxy.api import dashboard
 from proxy.runtime.config_watch import reload_config
-from proxy.dashboard import bucket_quantile
+from proxy.api.dashboard import bucket_quantile
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
 from tests.conftest import base_config, wait_until
 

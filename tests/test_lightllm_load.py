@@ -14,9 +14,9 @@ import yaml
 from aiohttp import web
 
 from bench.fake_upstream import STATS, make_app
-from proxy.app import create_app
+from proxy.api.app import create_app
 from proxy.config.schema import ConfigError, LoadSignalConfig, parse_config
-from proxy.handlers import STATE
+from proxy.api.handlers import STATE
 from proxy.runtime.load_signal import LOAD_SIGNAL, NoSignal, Reading, capacity_for, is_saturated, parse_prometheus, parse_token_load
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from tests.conftest import wait_until

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.admin import REDACTED, redacted_config
+from proxy.api.admin import REDACTED, redacted_config
 from proxy.config.schema import Config, ConfigError, load_config, parse_config, with_upstream_urls
 from proxy.config.pools import CATCH_ALL, DEFAULT_POOL
 from tests.conftest import base_config

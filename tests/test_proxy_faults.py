@@ -172,9 +172,9 @@ async def test_upstream_idle_mid_stream_ends_with_error_and_aborts(aiohttp_serve
     cfg["upstream"]["idle_timeout_s"] = 0.3
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    from proxy.app import create_app
+    from proxy.api.app import create_app
     from proxy.config.schema import load_config
-    from proxy.handlers import STATE
+    from proxy.api.handlers import STATE
 
     app = create_app(load_config(path))
     px = await aiohttp_server(app)

@@ -514,7 +514,7 @@ class ConfigError(Exception):
 
 
 #: Config keys whose values are secrets: ``/admin/config`` shows them as ``***``
-#: (:func:`proxy.admin.redacted_config`) and no config error message quotes their value.
+#: (:func:`proxy.api.admin.redacted_config`) and no config error message quotes their value.
 SECRET_FIELDS = frozenset({"api_key", "api_key_sha256", "password"})
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")  # the user:password@ of a URL

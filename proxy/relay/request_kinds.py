@@ -487,7 +487,7 @@ def _error_fields(obj: object) -> dict:
 @dataclass(frozen=True, slots=True)
 class RequestKind:
     """How one route's requests are read, capped, sent upstream and relayed: the table
-    :func:`proxy.handlers.handle_generation` follows, one entry per route.
+    :func:`proxy.api.handlers.handle_generation` follows, one entry per route.
 
     Attributes:
         name: the kind (``chat``, ``completion``, ``generate``, ``embeddings``,

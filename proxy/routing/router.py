@@ -262,7 +262,7 @@ class EngineState:
 
     def status(self) -> dict:
         """A JSON-ready view for ``/admin/status`` and the dashboard: the keys of the
-        dashboard's ``engines`` entries (:mod:`proxy.dashboard`: ``name``, ``url``,
+        dashboard's ``engines`` entries (:mod:`proxy.api.dashboard`: ``name``, ``url``,
         ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
         ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
         ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,

@@ -12,9 +12,9 @@ import time
 
 from aiohttp import web
 
-from .config.schema import SECRET_FIELDS
-from .wire.errors import error_response
-from .config.pools import public_url
+from ..config.schema import SECRET_FIELDS
+from ..wire.errors import error_response
+from ..config.pools import public_url
 from .handlers import STATE
 
 REDACTED = "***"

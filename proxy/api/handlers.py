@@ -40,25 +40,25 @@ from aiohttp import web
 
 from qos import RefusalReason, Refused
 
-from .telemetry import metrics as m
-from .relay.assemble import ASSEMBLED_KINDS, relay_assembled
-from .relay.engine_body import body_for_engine, priority_value
-from .routing.engine_health import check_path_for
-from .wire.errors import error_response, retry_after_seconds
-from .routing.model_routing import ModelTable, Route, model_error, parse_models_body
-from .config.pools import public_url
-from .relay.relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
-from .wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
-from .relay import request_kinds as kinds
-from .admission.admission import NoEngine
-from .wire.request_body import BadRequest, ParsedRequest
-from .relay.request_kinds import RequestKind, prompt_prefix
-from .routing.router import EngineState, affinity_key
-from .wire.sse import EventTooLarge
-from .runtime.state import ProxyState
-from .relay.upstream import UpstreamError
-from .runtime.workers import whole_server_metrics
-from .relay.upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
+from ..telemetry import metrics as m
+from ..relay.assemble import ASSEMBLED_KINDS, relay_assembled
+from ..relay.engine_body import body_for_engine, priority_value
+from ..routing.engine_health import check_path_for
+from ..wire.errors import error_response, retry_after_seconds
+from ..routing.model_routing import ModelTable, Route, model_error, parse_models_body
+from ..config.pools import public_url
+from ..relay.relay import CLIENT_CLOSED, Exchange, relay_body, relay_stream
+from ..wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, request_id_of, trace_headers
+from ..relay import request_kinds as kinds
+from ..admission.admission import NoEngine
+from ..wire.request_body import BadRequest, ParsedRequest
+from ..relay.request_kinds import RequestKind, prompt_prefix
+from ..routing.router import EngineState, affinity_key
+from ..wire.sse import EventTooLarge
+from ..runtime.state import ProxyState
+from ..relay.upstream import UpstreamError
+from ..runtime.workers import whole_server_metrics
+from ..relay.upstream_body import REJECTED, UpstreamBody, choices_of, names_stream_options, plan_upstream_body, stream_options_of
 
 STATE = web.AppKey("llm_qos_state", ProxyState)
 #: the proxy's own resources, every route but the pass-through catch-all (set by the app)

@@ -85,9 +85,9 @@ from aiohttp import web
 
 from .admin import check_admin
 from .handlers import STATE
-from .runtime.load_signal import LOAD_SIGNAL, LoadSignal
-from .telemetry.metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
-from .runtime.state import ProxyState
+from ..runtime.load_signal import LOAD_SIGNAL, LoadSignal
+from ..telemetry.metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
+from ..runtime.state import ProxyState
 
 log = logging.getLogger("llm_qos.proxy")
 

@@ -7,11 +7,11 @@ import logging
 from aiohttp import web
 
 from . import admin, dashboard, handlers, openapi
-from .config.schema import Config
-from .wire.errors import error_response
+from ..config.schema import Config
+from ..wire.errors import error_response
 from .handlers import STATE
-from .runtime.load_signal import LOAD_SIGNAL, LoadSignal
-from .runtime.state import ProxyState
+from ..runtime.load_signal import LOAD_SIGNAL, LoadSignal
+from ..runtime.state import ProxyState
 
 log = logging.getLogger("llm_qos.proxy")
 
@@ -52,8 +52,8 @@ def create_app(
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
     ``POST /v1/responses``, ``POST /generate``, ``POST /generate_stream`` (LightLLM native),
     ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /ready``,
-    ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see :mod:`proxy.admin`), the live
-    dashboard ``/admin/dashboard`` (see :mod:`proxy.dashboard`), and every other path under
+    ``GET /metrics``, ``GET /openapi.json``, ``/admin/*`` (see :mod:`proxy.api.admin`), the live
+    dashboard ``/admin/dashboard`` (see :mod:`proxy.api.dashboard`), and every other path under
     ``/v1/`` (pass-through, 404 unless ``passthrough.enabled``).
 
     The app must be served with ``handler_cancellation=True`` (see :mod:`proxy.server`):

@@ -1,0 +1,17 @@
+"""The HTTP surface: every route the proxy answers, and the app that wires them.
+
+* :mod:`.handlers`: the client routes (chat, completions, embeddings, Responses,
+  LightLLM's native routes, pass-through, models, health, readiness, metrics) and the
+  request's way through the layers: resolve, admit, open upstream, relay, account.
+* :mod:`.admin`: ``/admin/*`` (status, the active config, reload), behind the admin key.
+* :mod:`.dashboard`: the live dashboard's data and its page (static files under
+  ``proxy/static/``).
+* :mod:`.openapi`: the published OpenAPI document (``GET /openapi.json``).
+* :mod:`.app`: the aiohttp application: the route table, the JSON error middleware,
+  start-up and clean-up.
+
+The top layer below the entry points (``proxy.cli``, ``proxy.server``), which alone
+import it.
+
+May import: config, wire, telemetry, routing, admission, relay, runtime.
+"""
