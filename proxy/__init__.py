@@ -1,13 +1,28 @@
 """The llm-qos proxy: an aiohttp reverse proxy that admits requests through the
-:mod:`qos` scheduler and relays answers from an OpenAI-compatible or LightLLM upstream.
+:mod:`qos` scheduler and relays answers from OpenAI-compatible or LightLLM engines.
 
-Modules, by job: ``config`` (schema and loading), ``identity`` (who is asking),
-``request_body`` (what is asked), ``admission`` (waiting for a slot), ``upstream``
-(connection pool), ``relay`` (streaming answers back), ``handlers`` (routes),
-``admin`` (``/admin/*``), ``config_watch`` (hot reload), ``metrics`` (Prometheus),
-``app`` (wiring), ``server`` (running), ``cli`` (the ``llm-qos`` command).
-Several engines and models: ``pool_config`` (the ``pools`` schema), ``model_routing``
-(model -> pool), ``router`` (pool -> engine, bind late), ``engine_health`` (ejection and
-probes), ``engine_metrics`` (per-engine series), ``request_kinds`` (embeddings, Responses,
-pass-through), ``engine_body`` (what one engine is sent).
+A request's way (``docs/architecture.md``): it enters by a route of :mod:`proxy.api`,
+which resolves it (its kind, :mod:`proxy.relay.request_kinds`; who is asking,
+:mod:`proxy.admission.identity`; its pool, :mod:`proxy.routing.model_routing`), admits it
+(:mod:`proxy.admission`, whose schedulers place it on an engine through
+:mod:`proxy.routing`), opens it on that engine and relays the answer
+(:mod:`proxy.relay`), and accounts for it (:mod:`proxy.telemetry`).
+
+Subpackages, bottom up; each says at its top what it owns and which of the others it may
+import (``tests/test_architecture.py`` holds them to it):
+
+* ``config``: the operator's YAML, its schema and loading;
+* ``wire``: what crosses the wire, as data (error bodies, request bodies, SSE, headers);
+* ``telemetry``: Prometheus series and log formats;
+* ``shared``: the QoS state replicas share through Redis;
+* ``routing``: model -> pool -> engine, engine health;
+* ``admission``: who is asking, and waiting for a slot;
+* ``relay``: the exchange with the engine, and the answer relayed back;
+* ``runtime``: one process's live state, hot reload, load polling, workers;
+* ``api``: the routes and the app that wires them.
+
+At the top, the entry points, which no subpackage imports: :mod:`proxy.cli` (the
+``llm-qos`` command; ``python -m proxy``) and :mod:`proxy.server` (running one process).
+Package data here, read with :mod:`importlib.resources` from ``proxy``:
+``default_config.yaml`` (the CLI's default config) and ``static/`` (the dashboard's page).
 """

@@ -3,7 +3,11 @@
 One module per job: :mod:`.leases` (capacity leases), :mod:`.rate_limits` (rate-limit
 buckets), :mod:`.counters` (fair-share service counters), :mod:`.sync` (the client, the
 sync loop and the fallback), :mod:`.standalone` (the same surface without Redis),
-:mod:`.keys` (the Redis key layout).
+:mod:`.keys` (the Redis key layout); the scripts Redis runs are :mod:`.lua`. What binds
+this state to the schedulers and engines is :mod:`proxy.admission` (``lease_binding``,
+``rate_reservation``).
+
+May import: config.
 """
 
 from __future__ import annotations
