@@ -483,11 +483,15 @@ class Scheduler:
         holds = self._holds
         if holds:
             holds.prune(self._clock())
-        while self.queued and cap.inflight < cap.slots:
+        # no guard on inflight < slots here: a higher class may have room while the
+        # engines hold more than their capacity (a lower class's excess after a cut
+        # counts only up to its own room: qos.capacity.occupied); reserve() decides
+        while self.queued:
             for queue in self._candidates():
                 head = queue.peek(self._accounts)
                 assert head is not None
-                if holds and self._held_from(head[1]) >= cap.slots - cap.inflight:
+                free = cap.slots - cap.inflight  # <= 0 while a lower class's excess drains: no slot to keep
+                if holds and free > 0 and self._held_from(head[1]) >= free:
                     continue  # the free slots are kept for users who rank before it
                 if cap.reserve(head[0]):
                     self._admit(queue, *head)

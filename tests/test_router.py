@@ -288,7 +288,7 @@ def test_a_reload_adds_updates_and_drains_engines():
     assert r.engines["e1"] is e1 and e1.spec.max_inflight == 3 and e1.routed == 1  # kept, history too
     assert e2.draining and not e2.in_rotation
     assert all(r.choose(1) is not e2 for _ in range(10))
-    t = next(t for t, (e, _) in r._placed.items() if e is e2)
+    t = next(t for t, (e, *_) in r._placed.items() if e is e2)
     r.release(t)
     assert "e2" not in r.engines and left == [e2]
     # an engine removed while idle leaves at once; one re-added while draining comes back
@@ -421,3 +421,18 @@ def test_check_paths_by_kind():
     assert check_path_for(HealthConfig(), "lightllm") == "/token_load"
     assert check_path_for(HealthConfig(), "openai") == "/v1/models"
     assert check_path_for(HealthConfig(check_path="/health"), "openai") == "/health"
+
+
+def test_a_cut_below_what_a_lower_class_runs_keeps_the_room_above_it():
+    """The engine's capacity is cut while bronze (headroom 0.075) fills its room: bronze's
+    excess is counted only up to its room, so platinum (headroom 0) keeps its places and
+    bronze gets none until its excess has drained."""
+    r = router(eng(1, max_inflight=128))
+    (e,) = r.engines.values()
+    bronze = [r.reserve(ticket(), headroom=0.075) for _ in range(119)]  # 128 - floor(0.075 * 128)
+    assert all(x is e for x in bronze) and r.choose(10, headroom=0.075) is None
+    e.capacity_limit = 121  # cut: bronze's room is now 112, it runs 119
+    assert e.capacity == 121 and e.occupied() == 112
+    top = [r.reserve(ticket()) for _ in range(9)]
+    assert all(x is e for x in top) and r.choose(10) is None  # 9 places kept for the top, then full
+    assert e.inflight == 128  # over the cut capacity by bronze's draining excess, never more

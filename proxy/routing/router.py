@@ -23,8 +23,14 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
 * **headroom of a class**: a request of a class with ``headroom`` h (the fraction of each
   engine it leaves to the classes above it) fits only while
-  ``inflight < room_for(cap(e), h)`` (:func:`qos.capacity.room_for`), so lower classes
+  ``occupied(e) < room_for(cap(e), h)`` (:func:`qos.capacity.room_for`), so lower classes
   never fill the last part of an engine and a higher class's request is dispatched at once.
+  ``occupied`` counts each class's requests on the engine up to its own room only: when
+  the capacity is cut below what a lower class already runs (the engine queued), that
+  class's excess drains as its requests end, but it does not take the room kept for the
+  classes above (measured on vLLM: a 10 % cut with bronze's streams filling its room left
+  platinum 2 slots, and its probes waited up to 15 s behind 128-token streams). What runs
+  then may pass ``cap(e)`` by that excess, at most one cut's worth.
 * **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
   ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens``. No
   exception for an idle engine: a request goes only to an engine whose token capacity
@@ -70,7 +76,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from qos.capacity import room_for
+from qos.capacity import occupied, room_for
 from qos.capacity_control import CapacityController
 from qos.capacity_control import fixed as fixed_capacity
 
@@ -120,6 +126,7 @@ class EngineState:
     health: EngineHealth
     inflight: int = 0
     inflight_tokens: int = 0
+    held: dict[float, int] = field(default_factory=dict, repr=False)  # in flight by the headroom of its class
     draining: bool = False
     load: float | None = None
     waiting: int | None = None
@@ -218,12 +225,18 @@ class EngineState:
         """Whether a request reserving ``tokens`` of a class with ``headroom`` (the
         fraction of the capacity it leaves to the classes above: :func:`qos.capacity.room_for`)
         may be placed here now (module docstring)."""
-        if not self.in_rotation or self.inflight >= room_for(self.capacity, headroom):
+        if not self.in_rotation or self.occupied() >= room_for(self.capacity, headroom):
             return False
         if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
             return False
         cap = self.spec.max_inflight_tokens
         return cap is None or self.inflight_tokens + tokens <= cap
+
+    def occupied(self) -> int:
+        """Requests in flight here as the classes' headroom counts them: each class's up
+        to its own room (:func:`qos.capacity.room_for` at its headroom), the top class's
+        (headroom 0) and those placed outside admission in full (module docstring)."""
+        return occupied(self.inflight, self.held, self.capacity)
 
     def can_hold(self, tokens: int) -> bool:
         """Whether its token capacity can ever hold a request reserving ``tokens``."""
@@ -410,7 +423,7 @@ class PoolRouter:
         self.engines: dict[str, EngineState] = {}
         self.routing = pool.routing
         self.health = pool.health
-        self._placed: dict[Any, tuple[EngineState, int]] = {}
+        self._placed: dict[Any, tuple[EngineState, int, float]] = {}  # ticket -> (engine, reserved tokens, its class's headroom)
         self._turn = 0
         self.on_engine_removed: Callable[[EngineState], None] | None = None
         self.reconfigure(pool)
@@ -563,7 +576,7 @@ class PoolRouter:
         engine = self.choose(ticket.reserved_tokens, key, headroom=headroom)
         if engine is None:
             raise NoEngineFits(f"no engine of pool {self.name!r} has room for {ticket.reserved_tokens} tokens")
-        self._place(ticket, engine)
+        self._place(ticket, engine, headroom)
         return engine
 
     def release(self, ticket: Reservable) -> EngineState | None:
@@ -573,9 +586,10 @@ class PoolRouter:
         placed = self._placed.pop(ticket, None)
         if placed is None:
             return None
-        engine, tokens = placed
+        engine, tokens, level = placed
         engine.inflight -= 1
         engine.inflight_tokens -= tokens
+        engine.held[level] -= 1
         if engine.draining and engine.inflight == 0 and self.engines.get(engine.name) is engine:
             del self.engines[engine.name]
             self._removed(engine)
@@ -605,20 +619,24 @@ class PoolRouter:
         those not in ``exclude`` and not the one it leaves (``over``: see :meth:`choose`).
         Returns the new engine, or ``None`` (then it is placed nowhere and the caller
         answers the client)."""
+        placed = self._placed.get(ticket)
+        level = placed[2] if placed is not None else 0.0
         old = self.release(ticket)
         skip = set(exclude)
         if old is not None:
             skip.add(old)
         engine = self.choose(ticket.reserved_tokens, key if key is not None else self.affinity_of(ticket), exclude=skip, over=over)
         if engine is not None:
-            self._place(ticket, engine)
+            self._place(ticket, engine, level)
         return engine
 
-    def _place(self, ticket: Reservable, engine: EngineState) -> None:
+    def _place(self, ticket: Reservable, engine: EngineState, level: float = 0.0) -> None:
+        """Count ``ticket`` on ``engine``, held at its class's headroom ``level``."""
         tokens = ticket.reserved_tokens
-        self._placed[ticket] = (engine, tokens)
+        self._placed[ticket] = (engine, tokens, level)
         engine.inflight += 1
         engine.inflight_tokens += tokens
+        engine.held[level] = engine.held.get(level, 0) + 1
         engine.routed += 1
 
     # --------------------------------------------------------------- health
@@ -761,17 +779,19 @@ class PoolCapacity:
         back first (no side effect): preemption's question
         (:meth:`qos.Scheduler.preempt`). Only the victim's own engine gains room, and
         only an engine in rotation counts."""
-        engine = self.router.engine_of(victim)
-        if engine is None or not engine.in_rotation:
+        placed = self.router._placed.get(victim)
+        if placed is None or not placed[0].in_rotation:
             return False
-        freed = victim.reserved_tokens
+        engine, freed, level = placed
         engine.inflight -= 1
         engine.inflight_tokens -= freed
+        engine.held[level] -= 1
         try:
             return self.router.choose(ticket.reserved_tokens, commit=False, headroom=self._headroom.get(ticket.group, 0.0)) is not None
         finally:
             engine.inflight += 1
             engine.inflight_tokens += freed
+            engine.held[level] += 1
 
     def release(self, ticket: Any) -> None:
         self.router.release(ticket)
