@@ -80,6 +80,12 @@ class Capacity(Protocol):
         """Requests holding room now."""
 
     @property
+    def occupied(self) -> int:
+        """Requests holding room now as the classes' headroom counts them
+        (:func:`occupied`): at most :attr:`inflight`; while it is below :attr:`slots`
+        some class may have room."""
+
+    @property
     def inflight_tokens(self) -> int:
         """Sum of the reservations holding room now (tokens)."""
 
@@ -173,6 +179,10 @@ class LocalCapacity:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    @property
+    def occupied(self) -> int:
+        return occupied(self._inflight, self._held, self.slots)
 
     @property
     def inflight_tokens(self) -> int:

@@ -483,10 +483,10 @@ class Scheduler:
         holds = self._holds
         if holds:
             holds.prune(self._clock())
-        # no guard on inflight < slots here: a higher class may have room while the
-        # engines hold more than their capacity (a lower class's excess after a cut
-        # counts only up to its own room: qos.capacity.occupied); reserve() decides
-        while self.queued:
+        # occupied, not inflight: a higher class may have room while the engines hold
+        # more than their capacity (a lower class's excess after a cut counts only up to
+        # its own room: qos.capacity.occupied)
+        while self.queued and cap.occupied < cap.slots:
             for queue in self._candidates():
                 head = queue.peek(self._accounts)
                 assert head is not None

@@ -507,6 +507,10 @@ class TwoEngines:
         return self.count
 
     @property
+    def occupied(self) -> int:
+        return self.count  # no class headroom here
+
+    @property
     def inflight_tokens(self) -> int:
         return sum(self.used.values())
 

@@ -739,6 +739,12 @@ class PoolCapacity:
         return self.router.inflight
 
     @property
+    def occupied(self) -> int:
+        """:attr:`inflight` as the classes' headroom counts it (:func:`qos.capacity.occupied`
+        per engine in rotation; the others in full, as :attr:`slots` counts them)."""
+        return sum(e.occupied() if e.in_rotation else e.inflight for e in self.router.engines.values())
+
+    @property
     def inflight_tokens(self) -> int:
         return sum(e.inflight_tokens for e in self.router.engines.values())
 
