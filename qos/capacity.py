@@ -193,8 +193,11 @@ class LocalCapacity:
         return cap is None or tokens <= cap
 
     def fits(self, tokens: int) -> bool:
-        if self._inflight >= self.slots:
-            return False
+        return self.occupied < self.slots and self._tokens_fit(tokens)
+
+    def _tokens_fit(self, tokens: int) -> bool:
+        """Whether ``tokens`` more reserved tokens stay within the token lease and
+        ``max_inflight_tokens``."""
         lease = self.lease_tokens
         if lease is not None and self._inflight_tokens + tokens > lease:
             return False
@@ -216,14 +219,7 @@ class LocalCapacity:
         """Take room for ``ticket`` if it :meth:`fits`, its class's headroom kept free
         for the classes above (:func:`room_for`, counted by :func:`occupied`)."""
         level = self._level_of(ticket)
-        if occupied(self._inflight, self._held, self.slots) >= room_for(self.slots, level):
-            return False
-        tokens = ticket.reserved_tokens
-        lease = self.lease_tokens
-        if lease is not None and self._inflight_tokens + tokens > lease:
-            return False
-        cap = self.max_inflight_tokens
-        if cap is not None and self._inflight_tokens + tokens > cap:
+        if self.occupied >= room_for(self.slots, level) or not self._tokens_fit(ticket.reserved_tokens):
             return False
         self._take(ticket, level)
         return True

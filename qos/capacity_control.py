@@ -208,7 +208,7 @@ class CapacityController:
     _reference: float = field(default=0.0, repr=False)
     _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full
     _last_queue: float | None = field(default=None, repr=False)
-    _batch: float | None = field(default=None, repr=False)  # what the engine ran when it last queued
+    _batch: float | None = field(default=None, repr=False)  # the most it ran in the window when it last queued (rule 3's ssthresh)
     _ran: deque = field(default_factory=deque, repr=False)  # (time, running) of the reports within probe_after_s, running decreasing
 
     def __post_init__(self) -> None:
@@ -330,8 +330,8 @@ class CapacityController:
         What it runs when it queues can be less: requests that end together and those
         that replace them, arriving within one engine step, make a reading low (measured
         on vLLM's CPU build: 87 running and 14 waiting with 128 of ours in flight, all of
-        which it ran a step later). The cut follows the reading; the batch the limit
-        returns to follows this."""
+        which it ran a step later). Both the cut of a queue and the batch the limit
+        grows back to are this, not one reading."""
         return self._ran[0][1] if self._ran else 0.0
 
     def _slow(self, obs: Observation) -> int:
