@@ -611,6 +611,11 @@ class PoolRouter:
         placed = self._placed.get(ticket)
         return placed[0] if placed is not None else None
 
+    def placement(self, ticket: Reservable) -> tuple[EngineState, int, float] | None:
+        """Where ``ticket`` is placed: (engine, its reserved tokens there, the headroom
+        of its class it is held at), or ``None``."""
+        return self._placed.get(ticket)
+
     def reroute(
         self, ticket: Reservable, exclude: Collection[EngineState] = (), key: str | None = None, over: bool = False
     ) -> EngineState | None:
@@ -619,7 +624,7 @@ class PoolRouter:
         those not in ``exclude`` and not the one it leaves (``over``: see :meth:`choose`).
         Returns the new engine, or ``None`` (then it is placed nowhere and the caller
         answers the client)."""
-        placed = self._placed.get(ticket)
+        placed = self.placement(ticket)
         level = placed[2] if placed is not None else 0.0
         old = self.release(ticket)
         skip = set(exclude)
@@ -785,7 +790,7 @@ class PoolCapacity:
         back first (no side effect): preemption's question
         (:meth:`qos.Scheduler.preempt`). Only the victim's own engine gains room, and
         only an engine in rotation counts."""
-        placed = self.router._placed.get(victim)
+        placed = self.router.placement(victim)
         if placed is None or not placed[0].in_rotation:
             return False
         engine, freed, level = placed
