@@ -14,16 +14,11 @@ from bench.scripted_engine import make_app as scripted_engine
 from proxy.wire.errors import responses_error_event
 from proxy.wire.sse import split_events
 from proxy.wire.request_body import BadRequest
-from proxy.relay.request_kinds import (
-    MAX_EMBEDDING_INPUTS,
-    ResponsesStreamScanner,
-    cap_max_output_tokens,
-    parse_embeddings,
-    parse_passthrough,
-    parse_responses,
-    prompt_prefix,
-    responses_usage,
-)
+from proxy.wire.embeddings_body import MAX_EMBEDDING_INPUTS, parse_embeddings
+from proxy.wire.passthrough_body import parse_passthrough
+from proxy.wire.prompt_prefix import prompt_prefix
+from proxy.wire.responses_answer import ResponsesStreamScanner, responses_usage
+from proxy.wire.responses_body import cap_max_output_tokens, parse_responses
 
 
 def body(**fields) -> bytes:

@@ -1,8 +1,8 @@
 """The exchange with an engine: what it is sent, the connection, and the answer relayed
 back to the client.
 
-* :mod:`.request_kinds`: the kinds of request, one per route: how each body is parsed for
-  admission and how its answer is read (its scanner, a
+* :mod:`.request_kinds`: the kinds of request, one per route: which parser reads each body
+  for admission (:mod:`proxy.wire`) and which scanner reads its answer (a
   :class:`~.relay.StreamScanner` for the relay beside it).
 * :mod:`.engine_body`: what one engine is sent: an alias's model name, the request's
   priority for engines that schedule by priority.

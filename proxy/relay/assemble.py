@@ -60,7 +60,7 @@ from ..wire.errors import engine_error_response, error_response
 from ..telemetry.metrics import OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from .relay import UPSTREAM_FAILURES, Exchange, note_engine_error, note_upstream_id, usage_of
 from ..wire.headers import client_headers
-from .request_kinds import ResponsesStreamScanner
+from ..wire.responses_answer import ResponsesStreamScanner
 from ..wire.sse import SSEScanner, event_payloads
 
 # text a delta streams in pieces: ``reasoning`` is vLLM's newer name for ``reasoning_content``

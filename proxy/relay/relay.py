@@ -236,7 +236,7 @@ async def relay_stream(
         scanner: follows the stream in its format and says how it ended
             (:class:`StreamScanner`: OpenAI-style or LightLLM native,
             :class:`proxy.wire.sse.SSEScanner`; Responses API,
-            :class:`proxy.relay.request_kinds.ResponsesStreamScanner`; a pass-through path's,
+            :class:`proxy.wire.responses_answer.ResponsesStreamScanner`; a pass-through path's,
             :class:`proxy.wire.sse.OpaqueStream`).
         write_timeout_s: a client whose socket stays full this long (seconds) is dropped.
         choices: how many choices the client asked for (``n``): each must get its

@@ -102,7 +102,12 @@ class ParsedRequest:
     choices: int = 1
 
 
-def _load_object(raw: bytes) -> dict:
+def load_object(raw: bytes) -> dict:
+    """``raw`` parsed as a JSON object (every body parser here starts with it).
+
+    Raises:
+        BadRequest: not valid JSON, or JSON but not an object.
+    """
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -123,7 +128,12 @@ def _opt_int(obj: dict, key: str, minimum: int = 1) -> int | None:
     return v
 
 
-def _opt_bool(obj: dict, key: str) -> bool:
+def opt_bool(obj: dict, key: str) -> bool:
+    """``obj[key]`` as a boolean; absent or ``null``: ``False``.
+
+    Raises:
+        BadRequest: present and not a boolean (``param`` ``key``).
+    """
     v = obj.get(key, False)
     if v is None:
         return False
@@ -215,7 +225,7 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
             boolean; ``max_tokens`` / ``max_completion_tokens`` / ``n`` / ``best_of`` not
             a positive integer.
     """
-    obj = _load_object(raw)
+    obj = load_object(raw)
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -237,7 +247,7 @@ def parse_chat(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRequest:
     caps = [v for v in (_opt_int(obj, "max_completion_tokens"), _opt_int(obj, "max_tokens")) if v is not None]
     return ParsedRequest(
         body=raw,
-        stream=_opt_bool(obj, "stream"),
+        stream=opt_bool(obj, "stream"),
         max_tokens=max(caps) if caps else None,
         prompt_tokens=text_tokens(chars) + fixed + MESSAGE_OVERHEAD_TOKENS * len(messages),
         fields=obj,
@@ -254,7 +264,7 @@ def parse_completion(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRe
         BadRequest: as :func:`parse_chat`, for ``prompt`` instead of ``messages``, and
             ``best_of`` not a positive integer.
     """
-    obj = _load_object(raw)
+    obj = load_object(raw)
     prompt = obj.get("prompt")
     chars = tokens = 0
     prompts = 1
@@ -275,7 +285,7 @@ def parse_completion(raw: bytes, costs: PromptCosts = DEFAULT_COSTS) -> ParsedRe
         chars += len(suffix)
     return ParsedRequest(
         body=raw,
-        stream=_opt_bool(obj, "stream"),
+        stream=opt_bool(obj, "stream"),
         max_tokens=_opt_int(obj, "max_tokens"),
         prompt_tokens=text_tokens(chars) + tokens,
         fields=obj,
@@ -297,7 +307,7 @@ def parse_generate(raw: bytes, stream: bool, costs: PromptCosts = DEFAULT_COSTS)
         BadRequest: ``inputs`` not a string, ``parameters`` not an object,
             ``max_new_tokens`` / ``best_of`` / ``n`` not a positive integer.
     """
-    obj = _load_object(raw)
+    obj = load_object(raw)
     inputs = obj.get("inputs")
     if not isinstance(inputs, str):
         raise BadRequest("'inputs' must be a string", "inputs")
