@@ -27,7 +27,8 @@ from proxy.shared import lua
 from proxy.shared.counters import SERVICE_SCRIPT
 from proxy.shared.keys import Keys
 from proxy.shared.leases import LEASE_SCRIPT
-from proxy.shared.rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, Bucket, Mirror, RateLimited, adjust_args, parse_reserve, reserve_args
+from proxy.shared.rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, Bucket, RateLimited, adjust_args, parse_reserve, reserve_args
+from proxy.shared.rate_mirror import Mirror
 from qos import TokenBucket
 from tests.proxy_process import REPO_ROOT
 

@@ -54,7 +54,7 @@ class Keys:
         return f"{self.base}:replica:{replica_id}"
 
     def reserve_log(self, replica_id: str) -> str:
-        """The per-replica log of reserves (:class:`proxy.shared.rate_limits.ReserveLog`)."""
+        """The per-replica log of reserves (:class:`proxy.shared.reserve_log.ReserveLog`)."""
         return f"{self.base}:rsv:{replica_id}"
 
     def user_bucket(self, user_id: str) -> str:

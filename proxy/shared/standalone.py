@@ -8,7 +8,8 @@ from typing import Callable
 from qos import RateLimit
 
 from .keys import Keys
-from .rate_limits import LocalBuckets, Reservation, buckets_for
+from .local_buckets import LocalBuckets
+from .rate_limits import Reservation, buckets_for
 from .sync import SyncReport
 
 _NO_LIMITS = Reservation((), 0, done=True)

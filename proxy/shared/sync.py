@@ -69,21 +69,12 @@ from ..config.schema import SharedStateConfig
 from .counters import SERVICE_SCRIPT, ServiceCounters
 from .keys import Keys
 from .leases import LEASE_SCRIPT, CapacityReport, LeaseTable
-from .rate_limits import (
-    ADJUST_SCRIPT,
-    RESERVE_SCRIPT,
-    LocalBuckets,
-    Mirror,
-    PendingAdjustments,
-    RateLimited,
-    Reservation,
-    ReserveBatcher,
-    ReserveLog,
-    adjust_args,
-    buckets_for,
-    parse_reserve,
-    reserve_args,
-)
+from .local_buckets import LocalBuckets
+from .rate_corrections import PendingAdjustments
+from .rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, RateLimited, Reservation, adjust_args, buckets_for, parse_reserve, reserve_args
+from .rate_mirror import Mirror
+from .reserve_batcher import ReserveBatcher
+from .reserve_log import ReserveLog
 
 log = logging.getLogger("llm_qos.shared")
 
