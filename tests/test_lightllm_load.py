@@ -17,7 +17,8 @@ from bench.fake_upstream import STATS, make_app
 from proxy.api.app import create_app
 from proxy.config.schema import ConfigError, LoadSignalConfig, parse_config
 from proxy.api.handlers import STATE
-from proxy.runtime.load_signal import LOAD_SIGNAL, NoSignal, Reading, capacity_for, is_saturated, parse_prometheus, parse_token_load
+from proxy.runtime.load_report import NoSignal, Reading, capacity_for, is_saturated, parse_prometheus, parse_token_load
+from proxy.runtime.load_signal import LOAD_SIGNAL
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from tests.conftest import wait_until
 from tests.engine_fixture import free_port

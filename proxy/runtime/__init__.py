@@ -6,7 +6,9 @@ swapped whole on reload.
   swap.
 * :mod:`.config_watch`: hot reload: watch the file, validate, swap.
 * :mod:`.load_signal`: the engines' own load reports, polled and turned into an
-  admission hold.
+  admission hold: the pollers of the process and their series; what each engine kind
+  reports and the limit it calls for (:mod:`.load_report`); one engine's polling task
+  (:mod:`.load_poller`).
 * :mod:`.workers`: ``--workers N``: the supervisor, each worker's metrics socket, and
   the whole server's metrics.
 
