@@ -9,9 +9,9 @@ import math
 import pytest
 import yaml
 
-from proxy.api import dashboard
+from proxy.api import dashboard_data
 from proxy.runtime.config_watch import reload_config
-from proxy.api.dashboard import bucket_quantile
+from proxy.api.dashboard_samples import bucket_quantile
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
 from tests.conftest import base_config, wait_until
 
@@ -114,10 +114,10 @@ async def test_history_is_sampled_without_a_page_and_a_new_tab_gets_it_at_once(m
     of them; later requests get only newer points; engines carry their routed and failed
     counts and latency fields; the last reload's result is there."""
     monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
-    monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", 0.05)
-    monkeypatch.setattr(dashboard, "WINDOW_S", 0.5)
-    monkeypatch.setattr(dashboard, "POINT_RATE_S", 0.2)
-    monkeypatch.setattr(dashboard, "HISTORY_POINTS", 12)
+    monkeypatch.setattr(dashboard_data, "SAMPLE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(dashboard_data, "WINDOW_S", 0.5)
+    monkeypatch.setattr(dashboard_data, "POINT_RATE_S", 0.2)
+    monkeypatch.setattr(dashboard_data, "HISTORY_POINTS", 12)
     st = await make_stack()
 
     async def data(query: str = "") -> dict:
@@ -160,8 +160,8 @@ async def test_history_is_sampled_without_a_page_and_a_new_tab_gets_it_at_once(m
 async def test_chart_points_carry_the_traffic_as_it_passed(make_stack, http, monkeypatch):
     """Tokens per second of a group show in the points sampled while its requests ran."""
     monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
-    monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", 0.05)
-    monkeypatch.setattr(dashboard, "POINT_RATE_S", 0.2)
+    monkeypatch.setattr(dashboard_data, "SAMPLE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(dashboard_data, "POINT_RATE_S", 0.2)
     st = await make_stack()
     for _ in range(5):
         async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(20, itl_s=0.01), headers={"Authorization": "Bearer sk-carl"}) as r:

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.routing import engine_metrics
 from proxy.api.app import create_app
 from proxy.config.schema import parse_config
-from proxy.api.dashboard import DASHBOARD, ENGINE_FIELDS
+from proxy.api.dashboard import DASHBOARD
+from proxy.api.dashboard_data import ENGINE_FIELDS
 from proxy.routing.engine_health import Health
 from proxy.routing.router import PoolRouter
 from tests.conftest import base_config
@@ -74,7 +75,7 @@ def test_status_lists_every_engine_of_every_pool():
 
 def test_status_rows_carry_the_dashboards_engine_keys():
     """The dashboard's ``engines`` list is these rows plus the figures it computes
-    (:data:`proxy.api.dashboard.ENGINE_FIELDS`): every other key of the row it builds for the
+    (:data:`proxy.api.dashboard_data.ENGINE_FIELDS`): every other key of the row it builds for the
     single upstream must be in the status row."""
     app = create_app(parse_config(yaml.safe_dump(base_config("http://127.0.0.1:1"))))
     (today,) = app[DASHBOARD].data()["engines"]

@@ -4,8 +4,10 @@
   LightLLM's native routes, pass-through, models, health, readiness, metrics) and the
   request's way through the layers: resolve, admit, open upstream, relay, account.
 * :mod:`.admin`: ``/admin/*`` (status, the active config, reload), behind the admin key.
-* :mod:`.dashboard`: the live dashboard's data and its page (static files under
-  ``proxy/static/``).
+* :mod:`.dashboard`: the live dashboard's page (static files under ``proxy/static/``)
+  and routes; :mod:`.dashboard_data`: its data and the sampler of its history;
+  :mod:`.dashboard_samples`: one sample's readings of the counters, and their
+  differences and quantiles.
 * :mod:`.openapi`: the published OpenAPI document (``GET /openapi.json``).
 * :mod:`.app`: the aiohttp application: the route table, the JSON error middleware,
   start-up and clean-up.
