@@ -31,7 +31,7 @@ from aiohttp import web
 
 from proxy.admission.admission import Admission
 from proxy.api.app import create_app
-from proxy.config.schema import config_digest, parse_config
+from proxy.config.loading import config_digest, parse_config
 from proxy.api.handlers import STATE
 
 from .policies import make_scheduler

@@ -8,7 +8,7 @@ ignored) ``up`` keeps ignoring SIGHUP. To reload the proxy's config, edit the fi
 watched) or ``POST /admin/reload``. ``up --engines N`` starts N engines
 (:mod:`engine_server.fleet`: ports ``--engine-port`` + i; one LightLLM per GPU group) and
 the proxy with one ``--upstream`` per engine, which makes one catch-all pool ``default``
-over them (:func:`proxy.config.schema.with_upstream_urls`); the operator's config file stays the
+over them (:func:`proxy.config.loading.with_upstream_urls`); the operator's config file stays the
 one the proxy watches.
 """
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_config(path: str) -> int:
     """Validate ``path``; print ``ok`` and a summary, or the errors. Exit code 0 / 1."""
-    from .config.schema import ConfigError, load_config
+    from .config.loading import ConfigError, load_config
 
     try:
         cfg = load_config(path)

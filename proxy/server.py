@@ -16,7 +16,7 @@ from .telemetry import log_filters
 from .telemetry import log_format as log_format_module
 from .api.admin import RELOADER
 from .api.app import create_app
-from .config.schema import config_digest, parse_config
+from .config.loading import config_digest, parse_config
 from .runtime.config_watch import reload_config, watch_config
 from .api.handlers import STATE
 from .config.pools import public_url
@@ -153,7 +153,7 @@ def run(
 
     ``log_format`` and ``access_log``: see :func:`configure_logging`; ``worker``: see
     :func:`serve`."""
-    from .config.schema import ConfigError
+    from .config.loading import ConfigError
 
     try:
         configure_logging(log_format, access_log, worker[0] if worker else None)

@@ -14,7 +14,7 @@ import yaml
 
 from bench.fake_upstream import STATS, Stats, make_app
 from proxy.api.app import create_app
-from proxy.config.schema import config_digest, parse_config
+from proxy.config.loading import config_digest, parse_config
 from proxy.api.handlers import STATE
 from proxy.runtime.state import ProxyState
 from tests.vllm_engine import vllm_engine  # noqa: F401  (session fixture: one real vLLM engine)

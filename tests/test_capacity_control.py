@@ -9,7 +9,7 @@ import math
 import pytest
 import yaml
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.routing.engine_meter import EngineMeter
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from qos.capacity import LocalCapacity

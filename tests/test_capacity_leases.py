@@ -8,7 +8,7 @@ import dataclasses
 import yaml
 
 from proxy.admission.lease_binding import BoundPool, LeaseBinding
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.routing.router import PoolRouter
 from proxy.shared import StandaloneState
 from qos import Scheduler

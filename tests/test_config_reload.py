@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config.schema import ConfigError, load_config, parse_config
+from proxy.config.loading import ConfigError, load_config, parse_config
 from proxy.runtime.config_watch import reload_config, watch_config
 from tests.conftest import base_config, wait_until
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from engine_server import cpu_model, lightllm_backend
-from proxy.config.schema import load_config
+from proxy.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = ROOT / "tests" / "data" / "compose-spec.json"
@@ -187,7 +187,7 @@ def test_the_two_gpus_file_adds_a_second_lightllm_engine_on_its_own_gpu(compose,
     assert args[: len(base)] == base
     urls = [args[i + 1] for i, a in enumerate(args) if a == "--upstream"]
     assert urls == [f"http://{n}:{_listens_on(services[n])}" for n in ("engine", "engine-b")]
-    from proxy.config.schema import with_upstream_urls
+    from proxy.config.loading import with_upstream_urls
 
     cfg = with_upstream_urls(load_config(ROOT / "config" / "config.yaml"), urls)  # what the proxy serves
     (pool,) = cfg.effective_pools()

@@ -13,7 +13,7 @@ import yaml
 from aiohttp import web
 
 from bench.fake_upstream import make_app
-from proxy.config.schema import ConfigError, parse_config
+from proxy.config.loading import ConfigError, parse_config
 from tests.conftest import base_config
 from tests.proc_util import free_port
 from tests.proxy_process import start_proxy, stop_proxy

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.routing.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
 from proxy.config.pools import HealthConfig
 from proxy.routing.router import PoolRouter

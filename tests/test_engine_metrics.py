@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.routing import engine_metrics
 from proxy.api.app import create_app
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.api.dashboard import DASHBOARD
 from proxy.api.dashboard_data import ENGINE_FIELDS
 from proxy.routing.engine_health import Health

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from bench.fake_upstream import STATS, make_app
 from proxy.api.app import create_app
-from proxy.config.schema import ConfigError, LoadSignalConfig, parse_config
+from proxy.config.schema import LoadSignalConfig
+from proxy.config.loading import ConfigError, parse_config
 from proxy.api.handlers import STATE
 from proxy.runtime.load_report import NoSignal, Reading, capacity_for, is_saturated, parse_prometheus, parse_token_load
 from proxy.runtime.load_signal import LOAD_SIGNAL

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.routing.model_routing import ModelTable, Route, model_error, parse_models_body
 from tests.conftest import base_config
 from tests.test_pool_config import pools_config

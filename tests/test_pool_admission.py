@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from proxy.admission.admission import Admission, NoEngine
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from qos import RefusalReason, Refused, TicketState
 from tests.conftest import base_config, wait_until
 

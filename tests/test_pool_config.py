@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from proxy.api.admin import REDACTED, redacted_config
-from proxy.config.schema import Config, ConfigError, load_config, parse_config, with_upstream_urls
+from proxy.config.schema import Config
+from proxy.config.loading import ConfigError, load_config, parse_config, with_upstream_urls
 from proxy.config.pools import CATCH_ALL, DEFAULT_POOL
 from tests.conftest import base_config
 

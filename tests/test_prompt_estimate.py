@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.wire.request_body import (
     MESSAGE_OVERHEAD_TOKENS,
     BadRequest,

@@ -173,7 +173,7 @@ async def test_upstream_idle_mid_stream_ends_with_error_and_aborts(aiohttp_serve
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     from proxy.api.app import create_app
-    from proxy.config.schema import load_config
+    from proxy.config.loading import load_config
     from proxy.api.handlers import STATE
 
     app = create_app(load_config(path))

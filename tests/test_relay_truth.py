@@ -23,7 +23,7 @@ import yaml
 from yarl import URL
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config.schema import ConfigError, parse_config
+from proxy.config.loading import ConfigError, parse_config
 from proxy.wire.headers import proxied_location
 from tests.proxy_process import REPO_ROOT, start_proxy, stop_proxy
 from tests.proc_util import free_port

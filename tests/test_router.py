@@ -10,7 +10,7 @@ import random
 import pytest
 import yaml
 
-from proxy.config.schema import parse_config
+from proxy.config.loading import parse_config
 from proxy.routing.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
 from proxy.config.pools import HealthConfig, PoolSpec
 from proxy.routing.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order

@@ -1,8 +1,9 @@
 """The operator's YAML config: the one place its keys are defined, and how it is read.
 
-* :mod:`.schema`: every key (pydantic, unknown keys refused with their path), loading and
-  parsing, the digest a reload compares, and the translation into
-  :class:`qos.SchedulerPolicy`.
+* :mod:`.schema`: the config model: every key (pydantic, unknown keys refused with their
+  path), and the translation into :class:`qos.SchedulerPolicy`.
+* :mod:`.loading`: reading a file or text into the model (errors that name the key and
+  never a secret), the command line's ``--upstream``, the digest a reload compares.
 * :mod:`.pools`: the ``pools:`` keys (which engines serve which models, routing, health)
   and the single ``upstream`` form read as one pool.
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from ..config.schema import ConfigError, config_digest, parse_config
+from ..config.loading import ConfigError, config_digest, parse_config
 from ..telemetry.metrics import RELOAD_ERROR, RELOAD_OK
 from .state import ProxyState
 

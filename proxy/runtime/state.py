@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from ..routing import engine_metrics
 from ..admission.admission import Admission, Pool, Preemption
 from ..admission.lease_binding import BoundPool, LeaseBinding
-from ..config.schema import Config, with_upstream_urls
+from ..config.schema import Config
+from ..config.loading import with_upstream_urls
 from ..routing.engine_health import HealthChecker
 from ..admission.identity import IdentityResolver
 from ..telemetry.metrics import Metrics, SharedStateCollector
@@ -52,7 +53,7 @@ class ProxyState:
         digest: its file's hash, if loaded from a file.
         config_path: the file it came from (for reloads), or ``None``.
         upstream_override: upstream URL(s) applied on every load (the CLI's
-            ``--upstream``; several make a pool: :func:`proxy.config.schema.with_upstream_urls`).
+            ``--upstream``; several make a pool: :func:`proxy.config.loading.with_upstream_urls`).
         worker: (index, count) for one of ``--workers`` processes (each is a replica of
             the deployment: it assumes at least ``count`` replicas before Redis says).
 

@@ -48,7 +48,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from ..config.schema import ConfigError, load_config
+from ..config.loading import ConfigError, load_config
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
