@@ -122,3 +122,106 @@ def run_closed_loop(
         for t in ended:  # ... then its client's next request arrives
             submit(t.user_id)
     return SimResult(tokens, sum(tokens.values()) / (duration_s - warmup_s))
+
+
+def run_two_loads(
+    streams: dict[str, int],
+    weights: dict[str, float],
+    *,
+    batch: int = 128,
+    output_tokens: int = 128,
+    duration_s: float = 40.0,
+    warmup_s: float = 8.0,
+    gap_s: float = 2.0,
+    restart: bool = True,
+) -> list[SimResult]:
+    """Two loads of closed-loop streams, one after the other on the same scheduler (the
+    second ``gap_s`` after every request of the first was cancelled, as when a benchmark
+    runs twice), with the capacity found by a real :class:`qos.capacity_control.CapacityController`
+    stepped every 0.5 s as the proxy's load poller does (the engine reports what runs, no
+    queue: its batch is the controller's ceiling, ``batch``). Each load's users start
+    their streams in the order of ``streams`` (one user's, then the next user's), all in
+    one instant. ``restart`` False dispatches up to the capacity found at once
+    (:attr:`CapacityController.value`) instead of the restart pace (``usable``).
+    Returns each load's tokens after ``warmup_s``. Deterministic."""
+    from qos.capacity_control import CapacityController, ControlSettings, Observation
+
+    now = [0.0]
+    users = list(streams)
+    policy = SchedulerPolicy(
+        groups=(GroupPolicy("platinum"),),
+        default_group="platinum",
+        users={u: UserPolicy(u, "platinum", weights[u]) for u in users},
+        max_inflight=batch,
+        max_queue=100_000,
+        queue_timeout_s=1e9,
+    )
+    running: dict[Ticket, int] = {}
+    admitted: list[Ticket] = []
+    queued: set[Ticket] = set()
+    sched = Scheduler(policy, clock=lambda: now[0], on_admit=admitted.append)
+    control = CapacityController(ControlSettings(initial=16, ceiling=batch))
+    sched.set_capacity_limit(control.usable)
+    next_step = 0.0
+
+    def start_admitted() -> None:
+        for t in admitted:
+            running[t] = 0
+            queued.discard(t)
+        admitted.clear()
+
+    def submit(user: str) -> None:
+        t = sched.submit(user, None, 10, output_tokens)
+        queued.add(t)
+        start_admitted()
+
+    def control_steps(until: float) -> None:  # the load poller's steps, every 0.5 s
+        nonlocal next_step
+        while next_step <= until:
+            now[0] = max(now[0], next_step)
+            next_step += 0.5
+            k = len(running)
+            control.step(Observation(now=now[0], inflight=k, demand=bool(queued), engine_waiting=0, engine_running=k))
+            sched.set_capacity_limit(control.usable if restart else control.value)
+            start_admitted()
+
+    results = []
+    for _load in range(2):
+        control_steps(now[0])  # through the gap since the last load
+        begin = now[0]
+        tokens = {u: 0 for u in users}
+        for u in users:
+            for _ in range(streams[u]):
+                submit(u)
+        while now[0] < begin + duration_s:
+            n = len(running)
+            step_end = now[0] + (n / engine_rate(n) if n else 0.05)
+            control_steps(step_end)
+            while (due := sched.next_hold_end()) is not None and due <= step_end:
+                now[0] = max(now[0], due)
+                sched.dispatch()
+                start_admitted()
+            now[0] = step_end
+            ended = []
+            for t in list(running):
+                running[t] += 1
+                if now[0] >= begin + warmup_s:
+                    tokens[t.user_id] += 1
+                sched.record_output(t, running[t])
+                if running[t] >= output_tokens:
+                    ended.append(t)
+            for t in ended:
+                del running[t]
+                sched.release(t, 40, output_tokens)
+                start_admitted()
+            for t in ended:
+                submit(t.user_id)
+        for t in list(queued):  # the benchmark's clients leave: queued ones first
+            sched.cancel(t)
+        queued.clear()
+        for t in list(running):
+            sched.release(t, 40, running[t])
+        running.clear()
+        results.append(SimResult(tokens, sum(tokens.values()) / (duration_s - warmup_s)))
+        now[0] += gap_s
+    return results

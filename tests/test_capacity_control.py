@@ -19,6 +19,7 @@ from qos.capacity_control import (
     REASON_ENGINE_QUEUE,
     REASON_KV_CACHE,
     REASON_LATENCY,
+    REASON_RESTART,
     REASON_STEADY,
     CapacityController,
     ControlSettings,
@@ -326,6 +327,52 @@ def test_capacity_stops_where_tokens_slow_past_the_bound():
     limits = _simulate(c, batch=10_000, steps=400)
     tail = limits[-100:]
     assert 0.7 * 48 <= sum(tail) / len(tail) <= 1.25 * 48, tail
+
+
+
+def test_capacity_holds_near_the_knee_where_tokens_reach_the_bound():
+    """Near the bound (tokens slower than NEAR of it) the limit grows by one request a
+    step, so it saws close under the knee instead of doubling past it and being cut back
+    three steps later: tpot = t1 (1 + n/16) is 3 x t1 (the default bound) at n = 32."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024))
+    assert c.settings.tpot_slowdown == 3.0
+    c.step(obs(-1, inflight=1, tpot_s=0.045, streams=1))
+    limits = _simulate(c, batch=10_000, steps=400)
+    tail = limits[-200:]
+    assert max(tail) <= 32 + 3, tail  # never more than a few requests past the knee
+    assert 0.9 * 32 <= sum(tail) / len(tail) <= 32 + 1, tail
+
+
+def test_after_idle_the_load_uses_the_capacity_found_by_doubling_per_step():
+    """Restart after idle (RFC 5681 4.1, RFC 7661): with the engine idle, a new load may
+    use the initial limit, then twice what was in flight at the last step, not the whole
+    capacity found at once (measured on vLLM's CPU build: the first 119 requests of a new
+    load, one user's, took every place of a 128 batch and the other user waited a whole
+    generation). The capacity found itself (what replicas share out) stays."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024))
+    for i in range(20):
+        c.step(obs(i * 0.5, inflight=c.value, demand=True, engine_waiting=0, engine_running=c.value))
+    found = c.value
+    assert found >= 100 and c.usable == found  # in use: all of it may be used
+    c.step(obs(20, inflight=0))
+    assert c.usable == found  # one idle step is a gap between requests, not idleness
+    c.step(obs(20.5, inflight=0))
+    assert c.usable == 4 and c.value == found  # TCP's restart window
+    usable = []
+    for i in range(8):
+        c.step(obs(21 + i * 0.5, inflight=c.usable, demand=True, engine_waiting=0, engine_running=c.usable))
+        usable.append(c.usable)
+    assert usable[:5] == [8, 16, 32, 64, 128] and usable[-1] == c.value >= found
+    # while requests wait for the pace, the reason says so
+    c.step(obs(30, inflight=0))
+    c.step(obs(30.5, inflight=0))
+    c.step(obs(31, inflight=16, demand=True, engine_waiting=0, engine_running=16))
+    assert c.reason == REASON_RESTART and c.usable == 32
+    # a fixed limit has no pace
+    f = fixed(50)
+    f.step(obs(0, inflight=0))
+    f.step(obs(1, inflight=0))
+    assert f.usable == 50
 
 
 # --------------------------------------------------------------- the meter

@@ -14,7 +14,7 @@ import pytest
 
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState, UserPolicy
 
-from tests.batching_sim import run_closed_loop
+from tests.batching_sim import run_closed_loop, run_two_loads
 
 WEIGHTS = {"alice": 3.0, "bob": 1.0}
 
@@ -156,3 +156,18 @@ def test_a_hold_of_a_higher_class_keeps_the_slot_from_a_lower_class_only():
     assert s.held_slots == 1  # kept for z: nobody else waits yet
     p1 = s.submit("p", None, 10, 100)
     assert p1.state is TicketState.ADMITTED and s.held_slots == 1
+
+
+@pytest.mark.parametrize("first", ["alice", "bob"])
+def test_a_second_load_right_after_the_first_gets_its_weight_share(first):
+    """A load that starts on an idle engine whose capacity was found earlier (a second
+    benchmark run right after the first, measured on vLLM: alice 74.6 % then 55.2 %):
+    dispatching the whole capacity at once gave every place to the user whose client
+    started first, for a whole generation. The controller's restart after idle paces the
+    start, the queue forms in the proxy, and weights decide: 75 % in both loads, whoever
+    starts first."""
+    order = {first: 128, ("bob" if first == "alice" else "alice"): 128}
+    for load in run_two_loads(order, WEIGHTS):
+        assert load.share("alice") == pytest.approx(0.75, abs=0.05)
+    if first == "bob":  # without the pace the first client takes the batch, whatever its weight
+        assert run_two_loads(order, WEIGHTS, restart=False)[1].share("alice") < 0.5

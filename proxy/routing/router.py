@@ -189,8 +189,10 @@ class EngineState:
     @property
     def capacity(self) -> int:
         """Requests it may run now: :attr:`found_capacity`, lowered by this process's
-        lease (the only thing that can make it 0)."""
-        cap = self.found_capacity
+        lease (the only thing that can make it 0) and by the controller's restart after
+        idle (:attr:`qos.capacity_control.CapacityController.usable`: this process's own
+        pace, never shared out)."""
+        cap = min(self.found_capacity, self.control.usable)
         return cap if self.lease_slots is None else min(cap, self.lease_slots)
 
     def configure(self, spec: EngineSpec) -> None:
