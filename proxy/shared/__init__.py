@@ -5,9 +5,11 @@ buckets in Redis: what a request is charged to, the scripts' calls) with
 :mod:`.rate_mirror` (their levels last seen, the local pre-check), :mod:`.local_buckets`
 (buckets kept in the process: fallback and standalone), :mod:`.reserve_batcher`
 (concurrent reserves in one pipeline), :mod:`.reserve_log` (reserves whose outcome is not
-known yet) and :mod:`.rate_corrections` (settles and refunds waiting for the next sync);
-:mod:`.counters` (fair-share service counters), :mod:`.sync` (the client, the
-sync loop and the fallback), :mod:`.standalone` (the same surface without Redis),
+known yet) and :mod:`.rate_corrections` (settles and refunds waiting for the next sync),
+all used by :mod:`.replica_rate_limits` (this replica's takes and corrections);
+:mod:`.counters` (fair-share service counters), :mod:`.sync` (the sync loop and the
+fallback: :class:`SharedState`), :mod:`.redis_link` (its connections and script calls),
+:mod:`.standalone` (the same surface without Redis),
 :mod:`.keys` (the Redis key layout); the scripts Redis runs are :mod:`.lua`. What binds
 this state to the schedulers and engines is :mod:`proxy.admission` (``lease_binding``,
 ``rate_reservation``).

@@ -1,5 +1,11 @@
-"""The shared state of one proxy process: its Redis client, the sync loop, and the
-fallback when Redis cannot be reached.
+"""The shared state of one proxy process: the sync loop, and the fallback when Redis cannot
+be reached. Its connections and script calls are :mod:`proxy.shared.redis_link`; its
+rate-limit takes and corrections, :mod:`proxy.shared.replica_rate_limits`.
+
+One concept over 400 lines: one replica's session with the shared state (the sync round,
+the modes it moves through, the surface the proxy holds), a few methods of
+:class:`SharedState` each; some 120 of the lines are docstrings, 50 of them this account
+of the modes and of what a full outage can cost.
 
 :class:`SharedState` is what the rest of the proxy holds. The hot path reads
 :meth:`~SharedState.grant` (a dict lookup) and awaits :meth:`~SharedState.reserve_rate`
@@ -57,29 +63,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from redis.asyncio import Redis
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
-
 from qos import RateLimit
 
 from ..config.schema import SharedStateConfig
 from .counters import SERVICE_SCRIPT, ServiceCounters
 from .keys import Keys
 from .leases import LEASE_SCRIPT, CapacityReport, LeaseTable
-from .local_buckets import LocalBuckets
 from .rate_corrections import PendingAdjustments
-from .rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, RateLimited, Reservation, adjust_args, buckets_for, parse_reserve, reserve_args
-from .rate_mirror import Mirror
-from .reserve_batcher import ReserveBatcher
-from .reserve_log import ReserveLog
+from .rate_limits import ADJUST_SCRIPT, RESERVE_SCRIPT, Reservation
+from .redis_link import UNREACHABLE, RedisLink, describe, still_cancelled
+from .replica_rate_limits import ReplicaRateLimits
 
 log = logging.getLogger("llm_qos.shared")
-
-_UNREACHABLE = (RedisError, OSError, TimeoutError)
-_NO_LIMITS = Reservation((), 0, done=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +132,6 @@ class SharedState:
         self.rebuilding = False
         self.leases = LeaseTable()
         self.counters = ServiceCounters(self.keys)
-        self.adjustments = PendingAdjustments()
-        self.mirror = Mirror(self._interval, clock=clock)
-        self.local_buckets = LocalBuckets(clock=clock)
         self.syncs = 0  # successful
         self.sync_failures = 0
         self.last_sync_rtt_s = 0.0
@@ -147,18 +139,24 @@ class SharedState:
         self._reporter: Callable[[], SyncReport] = SyncReport
         self._on_change: Callable[[], None] = lambda: None
         self._on_sync: Callable[[], None] = lambda: None
-        self._redis: Redis | None = None
-        self._reserve_redis: Redis | None = None
-        self._scripts: dict = {}
+        self._link = RedisLink(
+            config,
+            self.replica_id,
+            {"lease": LEASE_SCRIPT, "reserve": RESERVE_SCRIPT, "adjust": ADJUST_SCRIPT, "service": SERVICE_SCRIPT},
+        )
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.reserve_log = ReserveLog()  # reserves whose outcome in Redis is not known here yet
-        self._reserve_log_key = self.keys.reserve_log(self.replica_id)
-        self.reserves = ReserveBatcher(
-            self._send_reserves,
-            lambda buckets, tokens: self.adjustments.add(buckets, -1, -tokens),
-            on_read=self.reserve_log.settle,
-            on_lost=self._write_off,
+        self.rate_limits = ReplicaRateLimits(
+            self.keys,
+            self._link.reserves,
+            self.keys.reserve_log(self.replica_id),
+            self._keep_ms,
+            self._timeout,
+            self._interval,
+            clock,
+            shared=lambda: self.mode == "shared",
+            share=lambda: self.share_replicas,
+            on_unreachable=self._unreachable,
         )
         self._stopping = False
         self._sync_lock = asyncio.Lock()  # one sync at a time (the loop, stop(), tests)
@@ -194,28 +192,10 @@ class SharedState:
         not delay start-up; the process starts in ``degraded`` mode and keeps trying), and
         start the sync loop (``background=False``: no loop, the caller calls
         :meth:`sync_once` itself, as the benchmark does)."""
-        # two connections: one for the syncs, one for the reserves; each carries one call or
-        # pipeline at a time (the sync lock, the reserve batcher), so no pool is needed, and
-        # a single-connection client costs the least CPU per call
-        self._redis = self._client("sync")
-        self._reserve_redis = self._client("reserve")
-        for name, text in (("lease", LEASE_SCRIPT), ("reserve", RESERVE_SCRIPT), ("adjust", ADJUST_SCRIPT), ("service", SERVICE_SCRIPT)):
-            self._scripts[name] = self._redis.register_script(text)
+        self._link.connect()  # two connections: the syncs', the reserves'
         await self.sync_once()
         if background:
             self._task = asyncio.create_task(self._run(), name="llm-qos shared-state sync")
-
-    def _client(self, role: str) -> Redis:
-        return Redis.from_url(
-            self.config.url,
-            single_connection_client=True,
-            socket_timeout=self._timeout,
-            socket_connect_timeout=self._timeout,
-            retry=Retry(NoBackoff(), 0),  # no retries: a failed call is an outage, decided at once
-            decode_responses=True,
-            password=self.config.credential(),
-            client_name=f"llm-qos:{self.replica_id}:{role}",
-        )
 
     async def stop(self, give_back: bool = True) -> None:
         """Stop syncing, push what is buffered, give this replica's grants back (so the
@@ -232,23 +212,22 @@ class SharedState:
                 self._task.cancel()
                 await asyncio.wait({self._task})
             self._task = None
-        if self._redis is None:
+        if not self._link.connected:
             return
         if self.mode == "shared" and give_back:
             await self.sync_once()
             try:
                 keys = self.leases.reported_keys()
                 async with asyncio.timeout(self._timeout * 2):
-                    await self._scripts["lease"](
-                        keys=[self.keys.replicas, self.keys.epoch] + [self.keys.lease(k) for k in keys],
-                        args=[self.replica_id, self._lease_ms, self._keep_ms, json.dumps([0] * len(keys)), "leave"],
+                    await self._link.call(
+                        "lease",
+                        [self.keys.replicas, self.keys.epoch] + [self.keys.lease(k) for k in keys],
+                        [self.replica_id, self._lease_ms, self._keep_ms, json.dumps([0] * len(keys)), "leave"],
                     )
-            except _UNREACHABLE as e:
-                _still_cancelled()
-                log.warning("shared state: could not give the grants back at shutdown (%s); they expire in %g s", _describe(e), self.config.lease_s)
-        await self._redis.aclose()
-        await self._reserve_redis.aclose()
-        self._redis = self._reserve_redis = None
+            except UNREACHABLE as e:
+                still_cancelled()
+                log.warning("shared state: could not give the grants back at shutdown (%s); they expire in %g s", describe(e), self.config.lease_s)
+        await self._link.close()
 
     async def _run(self) -> None:
         min_gap = self._interval / 4
@@ -277,7 +256,7 @@ class SharedState:
 
     async def sync_once(self) -> bool:
         """One sync: renew, report, push, read back. Returns whether Redis answered."""
-        assert self._redis is not None, "start() first"
+        assert self._link.connected, "start() first"
         async with self._sync_lock:
             return await self._sync()
 
@@ -286,12 +265,12 @@ class SharedState:
         mode = "rejoin" if self.mode == "fallback" else "sync"
         lease_keys, lease_body = self.leases.request(report.capacity)
         pairs, svc_seq, incs = self.counters.request((pool, u) for pool, users in report.waiting_users.items() for u in users)
-        adj = self.adjustments.freeze()
+        adj = self.rate_limits.batch()
         sent = self._clock()
         try:
             replies = await self._call_sync(mode, lease_keys, lease_body, pairs, svc_seq, incs, adj)
-        except _UNREACHABLE as e:
-            _still_cancelled()
+        except UNREACHABLE as e:
+            still_cancelled()
             self.sync_failures += 1
             self._unreachable(e)
             return False
@@ -301,8 +280,7 @@ class SharedState:
         if pairs:
             self.counters.apply_reply(pairs, incs, replies[1])
         if adj is not None:
-            for number in self.adjustments.confirm():  # written off in Redis: settled
-                self.reserve_log.settle(number)
+            self.rate_limits.batch_applied()
         self.live_replicas = max(1, int(lease["n"]))
         self.rank = int(lease["rank"])
         self.rebuilding = bool(lease["rebuild"])
@@ -311,7 +289,7 @@ class SharedState:
         if self.mode != "shared":
             log.info("shared state: Redis reached (%d live replicas%s)", self.live_replicas, ", rebuilding" if self.rebuilding else "")
             self.mode = "shared"
-            self.local_buckets.clear()
+            self.rate_limits.redis_is_back()
         if lowered:
             self.request_sync()  # confirm the lower grant now: Redis frees the rest at once
         if changed:
@@ -320,34 +298,22 @@ class SharedState:
         return True
 
     async def _call_sync(self, mode, lease_keys, lease_body, pairs, svc_seq, incs, adj) -> list:
-        s = self._scripts
+        """The sync's script calls in one pipeline: the lease script, then the service
+        counters' (when users wait here) and the corrections' (when there are any); the
+        lease's and the counters' replies (``[]`` for none)."""
         lease_args = (
             [self.keys.replicas, self.keys.epoch] + [self.keys.lease(k) for k in lease_keys],
             [self.replica_id, self._lease_ms, self._keep_ms, lease_body, mode],
         )
-        calls = [(s["lease"], *lease_args)]
+        calls = [("lease", *lease_args)]
         if pairs:
-            calls.append((s["service"], *self.counters.redis_args(self.keys.replica(self.replica_id), pairs, svc_seq, incs, self._ttl_ms, self._keep_ms)))
+            calls.append(("service", *self.counters.redis_args(self.keys.replica(self.replica_id), pairs, svc_seq, incs, self._ttl_ms, self._keep_ms)))
         if adj is not None:
-            calls.append((s["adjust"], *adjust_args(self.keys.replica(self.replica_id), self._reserve_log_key, adj[0], self._keep_ms, adj[1], adj[2])))
-        for attempt in (0, 1):
-            try:
-                async with asyncio.timeout(self._timeout):
-                    pipe = self._redis.pipeline(transaction=False)
-                    for script, keys, args in calls:
-                        pipe.evalsha(script.sha, len(keys), *keys, *args)
-                    out = await pipe.execute()
-                if pairs:
-                    return out
-                return [out[0], []]
-            except NoScriptError:
-                if attempt:
-                    raise
-                # a restarted Redis has no scripts: load them and send again
-                async with asyncio.timeout(self._timeout * 2):
-                    for script, _, _ in calls:
-                        await self._redis.script_load(script.script)
-        raise AssertionError("unreachable")
+            calls.append(self.rate_limits.adjust_call(self.keys.replica(self.replica_id), adj))
+        out = await self._link.pipeline(calls)
+        if pairs:
+            return out
+        return [out[0], []]
 
     def _unreachable(self, error: BaseException) -> None:
         """Redis did not answer: shrink to the local shares now, take them after a lease."""
@@ -364,49 +330,15 @@ class SharedState:
         if self.mode != was:
             log.warning(
                 "shared state: Redis unreachable (%s); %s: local share of capacity and limits = 1/%d",
-                _describe(error), self.mode, self.share_replicas,
+                describe(error), self.mode, self.share_replicas,
             )
         if changed:
             self._on_change()
 
-    async def _send_reserves(self, calls: list) -> list:
-        """One pipeline of reserve script calls (see :class:`ReserveBatcher`); one reply or
-        error per call. A lone call goes as a plain EVALSHA (a pipeline costs the client
-        about twice the CPU)."""
-        script = self._scripts["reserve"]
-        for attempt in (0, 1):
-            try:
-                async with asyncio.timeout(self._timeout):
-                    if len(calls) == 1:
-                        keys, args = calls[0]
-                        try:
-                            return [await self._reserve_redis.evalsha(script.sha, len(keys), *keys, *args)]
-                        except NoScriptError:
-                            raise
-                        except RedisError as e:
-                            if not isinstance(e, (ConnectionError, RedisTimeoutError)):
-                                return [e]  # an error reply for this call alone
-                            raise
-                    pipe = self._reserve_redis.pipeline(transaction=False)
-                    for keys, args in calls:
-                        pipe.evalsha(script.sha, len(keys), *keys, *args)
-                    out = await pipe.execute(raise_on_error=False)
-                    if not any(isinstance(r, NoScriptError) for r in out):
-                        return out
-                    raise NoScriptError("NOSCRIPT")
-            except NoScriptError:
-                if attempt:
-                    raise
-            async with asyncio.timeout(self._timeout):  # a restarted Redis: load, send again
-                await self._reserve_redis.script_load(script.script)
-        raise AssertionError("unreachable")
-
-    def _write_off(self, number: int, buckets, tokens: int) -> None:
-        """Reserve ``number`` was sent but its reply is lost: its request is served from the
-        local share (charged to Redis with the next sync), so Redis must give the reserve's
-        take back if it ran, or never run it (:class:`ReserveLog`)."""
-        if not self.adjustments.write_off(number, buckets, tokens):
-            self.reserve_log.settle(number)  # dropped past the bound: it may cost twice
+    @property
+    def adjustments(self) -> PendingAdjustments:
+        """The rate-limit corrections waiting for the next sync (:attr:`rate_limits`')."""
+        return self.rate_limits.adjustments
 
     @property
     def share_replicas(self) -> int:
@@ -436,53 +368,20 @@ class SharedState:
             The reservation, for :meth:`settle_rate` or :meth:`refund_rate`.
 
         Raises:
-            RateLimited: it does not fit now (``retry_after_s`` says when it would).
+            proxy.shared.rate_limits.RateLimited: it does not fit now (``retry_after_s``
+                says when it would).
         """
-        buckets = buckets_for(self.keys, user_id, group, user_limit, group_limit)
-        if not buckets:
-            return _NO_LIMITS
-        if self.mode == "shared":
-            self.mirror.check(buckets, tokens)
-            try:
-                # its pipeline may wait for the one in flight: two timeouts at most
-                async with asyncio.timeout(self._timeout * 2):
-                    number = self.reserve_log.open()
-                    call = reserve_args(buckets, tokens, self._reserve_log_key, number, self.reserve_log.floor, self._keep_ms)
-                    reply = await self.reserves.reserve(call, buckets, tokens, number)
-            except _UNREACHABLE as e:
-                _still_cancelled()
-                self._unreachable(e)
-            else:
-                wait, scope, unit, levels = parse_reserve(reply, buckets)
-                self.mirror.record(buckets, levels)
-                if wait > 0:
-                    raise RateLimited(wait, scope, unit)
-                return Reservation(buckets, tokens)
-        self.local_buckets.take(buckets, tokens, self.share_replicas, self.mirror)
-        self.adjustments.add(buckets, 1, tokens)  # charged to Redis when it answers again
-        return Reservation(buckets, tokens, local=True)
+        return await self.rate_limits.reserve(user_id, group, user_limit, group_limit, tokens)
 
     def settle_rate(self, reservation: Reservation, actual_tokens: int) -> None:
         """Correct the token buckets to the real usage (``actual_tokens``: prompt + output
         as the engine counted them). Sent with the next sync; no await."""
-        if reservation.done:
-            return
-        reservation.done = True
-        delta = actual_tokens - reservation.tokens
-        if delta:
-            self.adjustments.add(reservation.buckets, 0, delta)
-            if reservation.local:
-                self.local_buckets.adjust(reservation.buckets, 0, delta)
+        self.rate_limits.settle(reservation, actual_tokens)
 
     def refund_rate(self, reservation: Reservation) -> None:
         """Give the whole take back: the request never reached an engine (refused, timed
         out or cancelled while queued). Sent with the next sync; no await."""
-        if reservation.done:
-            return
-        reservation.done = True
-        self.adjustments.add(reservation.buckets, -1, -reservation.tokens)
-        if reservation.local:
-            self.local_buckets.adjust(reservation.buckets, -1, -reservation.tokens)
+        self.rate_limits.refund(reservation)
 
     def report_service(self, pool: str, user_id: str, cost: float) -> None:
         """Buffer service rendered here (cost units); pushed at the next sync."""
@@ -519,19 +418,6 @@ class SharedState:
         }
 
 
-def _still_cancelled() -> None:
-    """Re-raise a cancellation that a client library turned into an error on its way out
-    (a timeout expiring in its cleanup while the task was being cancelled): a cancelled
-    request handler must stay cancelled, not carry on with a local fallback."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()
-
-
 def _as_list(v) -> list:
     """cjson encodes an empty Lua table as ``{}``."""
     return v if isinstance(v, list) else []
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
