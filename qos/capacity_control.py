@@ -94,6 +94,17 @@ and 128 streams (one noisy sweep), and a bound of 3 held the limit near 55, whic
 64-stream load a fifth of its throughput; 4 lets it reach about 100 there (first token in
 about 0.25 s). On a GPU, where the per-token time grows slowly with the batch, the
 engine's own queue or KV report stops the limit first.
+
+The baseline per-token time is the smallest median seen, drifting up towards newer ones by
+``baseline_drift`` of the gap per step (so a baseline measured before a model or hardware
+change does not hold forever), and set directly by medians taken while at most two streams
+decode (that *is* the unloaded figure). Until a baseline exists the latency rule is off.
+The same is kept for the time to first token (``baseline_ttft_s``), for preemption and
+status; it does not steer the limit.
+
+An engine that reports nothing (a hosted API, ``transformers serve``) is steered by rules
+2-4 alone. A stale or absent engine report is simply absent: it never lowers the limit by
+itself, so a slow or dead ``/metrics`` falls back to latency and never collapses capacity.
 """
 
 from __future__ import annotations
