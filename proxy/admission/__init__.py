@@ -3,6 +3,9 @@
 * :mod:`.identity`: API key or trusted header -> (user, group).
 * :mod:`.admission`: one scheduler per pool, whose capacity is the pool's router: wait
   for a slot on an engine, give it back exactly once; preemption.
+* :mod:`.admitted`: one request's hold on admission, an ``async with``
+  (:class:`~.admitted.Admitted`): its ticket and engine place, released exactly once
+  however the request ends; reroute, requeue after a preemption, the health verdict.
 * :mod:`.rate_reservation`: a request's rate-limit take reserved in the shared state
   before it reaches the scheduler, and handed to the scheduler to refund or settle
   (:class:`~.rate_reservation.SharedRateLimiter`). The buckets themselves, the Redis
