@@ -7,11 +7,14 @@ back to the client.
 * :mod:`.engine_body`: what one engine is sent: an alias's model name, the request's
   priority for engines that schedule by priority.
 * :mod:`.upstream_body`: the proxy's own additions to a body (usage in streams, a
-  non-streaming request sent as a stream), and the retry without them.
+  non-streaming request sent as a stream), and opening a request with the retry
+  without them.
 * :mod:`.upstream`: the connections to the engines and opening a request on one.
 * :mod:`.relay`: relaying an answer to the client, streamed or whole, counting its
   tokens and telling how it ended.
 * :mod:`.assemble`: a non-streaming answer rebuilt from the engine's stream.
+* :mod:`.answer`: which of those an engine's answer takes to the client (bytes, a
+  stream, assembled, a body).
 
 The relay does not choose the engine nor decide who goes (routing, admission): the
 routes hand it the engine the router chose.

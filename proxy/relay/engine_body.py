@@ -19,7 +19,20 @@ the client put in that field: a client cannot promote itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 import orjson
+
+from qos import SchedulerPolicy
+
+from ..wire.request_body import ParsedRequest
+from .upstream_body import UpstreamBody, plan_upstream_body
+
+if TYPE_CHECKING:
+    from ..config.pools import EngineSpec
+    from .request_kinds import RequestKind
+    from .upstream import Upstream
 
 
 def priority_value(rank: int, groups: int, order: str) -> int:
@@ -64,3 +77,47 @@ def body_for_engine(
     if priority is not None:
         out[priority[0]] = priority[1]
     return orjson.dumps(out)
+
+
+def engine_plan(
+    parsed: ParsedRequest,
+    kind: RequestKind,
+    spec: EngineSpec,
+    client: Upstream,
+    upstream_model: str | None,
+    policy: SchedulerPolicy,
+    group: str,
+) -> UpstreamBody:
+    """What to send one engine for ``parsed`` (bind late: built once the engine is known,
+    again for each engine a request is rerouted to).
+
+    The alias's model name and the two-level priority (:func:`body_for_engine`; a
+    pass-through body gets only the alias, and only when it is a JSON object that names a
+    model; a native LightLLM body goes as it is), then, for chat and completions, the
+    proxy's own stream settings for that engine (:func:`proxy.relay.upstream_body.plan_upstream_body`).
+
+    Args:
+        parsed: the client's parsed request (after any ``max_tokens`` cap).
+        kind: its kind (:class:`proxy.relay.request_kinds.RequestKind`).
+        spec: the engine's config (:class:`proxy.config.pools.EngineSpec`).
+        client: the engine's connections (its ``accepts_stream_options``).
+        upstream_model: the engines' name for an alias
+            (:attr:`proxy.routing.model_routing.Route.upstream_model`), or ``None``.
+        policy: the scheduler policy (the group's rank among its groups).
+        group: the class the request was admitted in.
+
+    Raises:
+        BadRequest: ``stream_options`` is not an object.
+    """
+    if kind.native:
+        return UpstreamBody(parsed.body)
+    priority = None
+    if spec.priority_field is not None and not kind.opaque:
+        priority = (spec.priority_field, priority_value(policy.group_index(group), len(policy.groups), spec.priority_order))
+    alias = upstream_model if "model" in parsed.fields else None
+    if alias is not None or priority is not None:
+        body = body_for_engine(parsed.body, parsed.fields, alias, priority)
+        parsed = replace(parsed, body=body, fields=orjson.loads(body))
+    if not kind.proxy_fields:
+        return UpstreamBody(parsed.body)
+    return plan_upstream_body(parsed, spec.upstream, client.accepts_stream_options)

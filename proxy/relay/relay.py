@@ -85,6 +85,8 @@ class Exchange:
             health it answered (:mod:`proxy.routing.engine_health`), as with a 4xx.
         engine_error_status: the 4xx/5xx that error names (its numeric ``code``), if any:
             a 5xx counts against the engine's health like a 5xx status.
+        transfer_broke: a pass-through answer's transfer broke (the one thing its
+            answer, any status, tells of the engine's health).
         preemptions: times the request was preempted before its answer (each attempt
             aborted upstream unseen by the client; :mod:`proxy.admission.admission`).
     """
@@ -106,7 +108,18 @@ class Exchange:
     upstream_ended: bool = False
     engine_error: bool = False
     engine_error_status: int | None = None
+    transfer_broke: bool = False
     preemptions: int = 0
+
+    def forget_attempt(self, preemptions: int) -> None:
+        """Forget what a preempted attempt left here (its client was shown nothing of
+        it: status, first byte, token counts, outcome, the engine's id and errors), and
+        count the preemption (``preemptions``: the ticket's count so far)."""
+        self.status, self.first_byte_at, self.prompt_tokens, self.output_tokens = 0, None, None, 0
+        self.outcome = self.detail = ""
+        self.upstream_request_id, self.upstream_ended, self.engine_error, self.engine_error_status = None, False, False, None
+        self.transfer_broke = False
+        self.preemptions = preemptions
 
 
 def note_engine_error(ex: Exchange, err: dict, what: str = "in-band error") -> None:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import aiohttp
 import orjson
 
 from ..config.schema import UpstreamConfig
 from ..wire.request_body import BadRequest, ParsedRequest
+from .upstream import Upstream, UpstreamError
 
 # statuses with which engines refuse a request's shape before generating: OpenAI-style
 # 400, FastAPI/pydantic 422, LightLLM 417
@@ -112,3 +114,56 @@ def plan_upstream_body(parsed: ParsedRequest, config: UpstreamConfig, accepts_st
         body = orjson.dumps({**fields, "stream_options": {**(opts or {}), "include_usage": True}})
         return UpstreamBody(body, parsed.body, strip_usage=True)
     return UpstreamBody(parsed.body)
+
+
+async def open_upstream(
+    up: Upstream,
+    method: str,
+    path: str,
+    plan: UpstreamBody,
+    *,
+    request_id: str,
+    query: str,
+    native: bool,
+    trace: dict[str, str],
+    body_headers: dict[str, str | None] | None = None,
+) -> tuple[aiohttp.ClientResponse, UpstreamBody]:
+    """Open the upstream request for ``plan`` on the engine ``up`` reaches
+    (``body_headers``: the client's ``Content-Type`` and ``Accept`` for a pass-through
+    body, ``None`` values left out; see :meth:`proxy.relay.upstream.Upstream.open`). An
+    engine that rejects the proxy's own ``stream_options`` (a 400/417/422 whose body names
+    it) gets the request once more without them (the module docstring); a native route's
+    body is never retried.
+
+    Returns:
+        ``(response, plan)``: the upstream response, body unread (or read in full and
+        kept, for a rejection relayed as it is), and the plan it was sent with.
+
+    Raises:
+        UpstreamError: as :meth:`proxy.relay.upstream.Upstream.open`; and 502
+            ``upstream_error`` when the upstream fails while sending the rejection's body
+            (a reset, a short body, ``idle_timeout_s`` of silence).
+    """
+    # body headers come only with a pass-through request, whose path is a client's: not cached
+    upstream = await up.open(method, path, plan.body, query=query, request_id=request_id, trace=trace, body_headers=body_headers, cached=body_headers is None)
+    if plan.fallback is None or native or upstream.status not in REJECTED:
+        return upstream, plan
+    try:
+        body = await upstream.read()  # a refusal, before any generation; kept for relaying
+    except (aiohttp.ClientError, TimeoutError) as e:
+        # the upstream's failure (ClientPayloadError, aiohttp's ClientConnectionResetError,
+        # an idle timeout), never the client's: a JSON 502, not aiohttp's text/plain 500
+        upstream.close()
+        raise UpstreamError(502, "upstream_error", f"the upstream failed while sending its answer: {type(e).__name__}", aborted=True) from None
+    except BaseException:
+        upstream.close()
+        raise
+    if not names_stream_options(body):
+        return upstream, plan  # the client's own request was refused: relay that
+    upstream.release()
+    first = upstream.status
+    plan = plan.without_stream_options()
+    upstream = await up.open(method, path, plan.body, query=query, request_id=request_id, trace=trace)
+    if upstream.status not in REJECTED:
+        up.reject_stream_options(first)
+    return upstream, plan

@@ -86,6 +86,21 @@ class ModelTable:
             return Route(self.catch_all)
         return None
 
+    def native_route(self, model: object) -> Route | None:
+        """The pool of a LightLLM native request (never an alias: its body goes as it
+        is): the pool that lists its ``model`` when it names one a pool lists, else the
+        catch-all (or only) pool; ``None`` when there is neither."""
+        route = self.route(model) if isinstance(model, str) else None
+        if route is not None and (route.pool != self.catch_all or self.catch_all is None):
+            return Route(route.pool)
+        default = self.default_pool
+        return Route(default) if default is not None else None
+
+    def unnamed_route(self) -> Route | None:
+        """The pool of a pass-through request whose body names no model (an upload, a
+        ``GET``): :attr:`default_pool`, or ``None``."""
+        return Route(self.default_pool) if self.default_pool is not None else None
+
     def listed(self) -> list[dict]:
         """OpenAI model objects of the names pools list (config order), catch-all aside."""
         return [model_object(name, r.pool) for name, r in self._routes.items()]

@@ -2,7 +2,7 @@
 
 * The access log (logger ``llm_qos.access``): one JSON object per line, nothing else on
   the line (the handler formats ``%(message)s`` only; the object is built by
-  ``proxy.api.handlers._log_access``).
+  :func:`proxy.telemetry.access_log.access_line`).
 * The diagnostic log (every other logger): readable text by default,
   ``2026-01-02 03:04:05,678 INFO llm_qos.proxy message``; or, with ``--log-format json``,
   one JSON object per line: ``{"ts": ISO 8601 UTC, "level", "logger", "message"}`` plus

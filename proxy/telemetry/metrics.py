@@ -259,6 +259,26 @@ class Metrics:
             self.queue_wait.labels(g)
             self.ttft.labels(g)
 
+    def observe_request(self, ex, estimated_prompt_tokens: int) -> None:
+        """Count one finished request in its group: ``requests`` by outcome (none known:
+        ``upstream_error``), ``queue_wait``, ``ttft`` (when a first byte was relayed) and
+        ``tokens`` (the upstream's prompt count, else ``estimated_prompt_tokens``; output
+        as counted). Called once per request that was admitted, after its answer has gone
+        out (``loop.call_soon``).
+
+        Args:
+            ex: the request as the proxy handled it (a :class:`proxy.relay.relay.Exchange`;
+                read only).
+            estimated_prompt_tokens: the proxy's prompt estimate (tokens).
+        """
+        group = ex.group
+        self.queue_wait.labels(group).observe(ex.queue_wait or 0.0)
+        self.requests.labels(group, ex.outcome or OUTCOME_UPSTREAM_ERROR).inc()
+        if ex.first_byte_at is not None:
+            self.ttft.labels(group).observe(ex.first_byte_at - ex.arrived_at)
+        self.tokens.labels(group, "prompt").inc(ex.prompt_tokens if ex.prompt_tokens is not None else estimated_prompt_tokens)
+        self.tokens.labels(group, "completion").inc(ex.output_tokens)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric of this process (with the
         label ``worker`` on every series when ``worker`` is set)."""

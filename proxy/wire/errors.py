@@ -10,6 +10,8 @@ import math
 import orjson
 from aiohttp import web
 
+from qos import RefusalReason, Refused
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -67,6 +69,39 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
+
+
+#: refusals answered 503 (the service, not the caller, is the reason); every other is a 429
+SERVICE_UNAVAILABLE = frozenset({RefusalReason.EVICTED, RefusalReason.SHUTDOWN, RefusalReason.NO_ENGINE})
+
+
+def refusal_response(r: Refused) -> web.Response:
+    """The answer to a request admission refused (:class:`qos.Refused`): 400
+    ``too_large`` (``param: max_tokens``; no retry can help); 503 for
+    :data:`SERVICE_UNAVAILABLE`; else 429 (rate limit, queue full, timeout). ``code`` is
+    the reason's value; ``Retry-After`` the refusal's hint; a rate limit's error object
+    also names its ``scope`` and ``limit``."""
+    if r.reason is RefusalReason.TOO_LARGE:  # no retry can help
+        return error_response(400, r.detail, code=r.reason.value, param="max_tokens")
+    status = 503 if r.reason in SERVICE_UNAVAILABLE else 429
+    extra = {"scope": r.scope, "limit": r.limit} if r.scope else None  # which rate limit tripped
+    return error_response(status, r.detail, code=r.reason.value, retry_after_s=r.retry_after_s, extra=extra)
+
+
+def lightllm_error_message(body: bytes) -> str:
+    """The message of a LightLLM error body: ``{"message"}`` (0.0.1) or ``{"error":
+    {"message"}}`` (v1.2.0, ``api_errors.create_error_response``); else the body's start
+    (500 bytes)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict):
+        inner = obj.get("error")
+        for msg in (obj.get("message"), inner.get("message") if isinstance(inner, dict) else None):
+            if isinstance(msg, str):
+                return msg
+    return body[:500].decode("utf-8", "replace") or "the upstream rejected the request"
 
 
 def sse_error_event(message: str, code: str) -> bytes:

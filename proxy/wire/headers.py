@@ -192,3 +192,17 @@ def trace_headers(client: Mapping[str, str]) -> dict[str, str]:
 def content_coding(upstream: Mapping[str, str]) -> str:
     """The upstream response's ``Content-Encoding``, lower-cased ("" when none)."""
     return upstream.get("Content-Encoding", "").strip().lower()
+
+
+def origin_form(raw_target: str) -> tuple[str, str]:
+    """A request target (``request.raw_path``) as ``(path, query)`` in origin form,
+    both still percent-encoded as the client sent them (a parsed URL would decode
+    ``%2F`` and the like): an absolute-form target (``GET http://host/v1/x``, RFC 9112
+    §3.2.2) loses its scheme and authority, which name no engine of ours."""
+    target = raw_target
+    if not target.startswith("/"):
+        rest = target.partition("://")[2]
+        i = rest.find("/")
+        target = rest[i:] if i >= 0 else "/"
+    path, _, query = target.partition("?")
+    return path, query
