@@ -56,7 +56,6 @@ import math
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ import aiohttp
 import numpy as np
 import yaml
 
-from . import _harness as h
+from . import harness as h
 
 HONEST = {"h-chat": 1.0, "h-long": 1.0, "h-mixed": 2.0}
 GAMERS = {"g-absurd": 1.0, "g-disconnect": 1.0, "g-tools": 1.0}
@@ -232,7 +231,7 @@ class Load:
 
     async def watch(self, http: aiohttp.ClientSession, pid: int, t0: float, admin: bool) -> None:
         while time.monotonic() < self.deadline:
-            self.run.rss.append((time.monotonic() - t0, rss_mib(pid)))
+            self.run.rss.append((time.monotonic() - t0, h.rss_mib(pid)))
             if admin:
                 try:
                     async with http.get(self.url.rsplit("/v1/", 1)[0] + "/admin/status?top=1", headers={"Authorization": "Bearer sk-bench-admin"}) as r:
@@ -254,18 +253,6 @@ class Load:
             await asyncio.gather(*jobs)
 
 
-def rss_mib(pid: int) -> float:
-    """Resident set size of process ``pid`` (MiB), from /proc."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
-
-
 def old_checkout(ref: str, into: Path) -> Path | None:
     """``git archive`` of ``ref`` unpacked under ``into`` (no worktree, nothing left in the
     repository), or ``None`` when git or the ref is not available."""
@@ -284,17 +271,14 @@ def old_checkout(ref: str, into: Path) -> Path | None:
 
 async def run_one(label: str, src: Path, workdir: Path, duration_s: float, churn_total: int, rate: float, max_inflight: int) -> Run:
     """One run: a fresh upstream and a proxy from ``src``, the load for ``duration_s``."""
-    up_port, px_port = h.free_port(), h.free_port()
-    up_cmd = [
-        sys.executable, "-m", "bench.rate_upstream", "--port", str(up_port), "--rate", str(rate),
-        "--max-stream-rate", "300", "--prefill-rate", "80000", "--max-model-len", str(CONTEXT),
+    px_port = h.free_port()
+    up_args = [
+        "--rate", str(rate), "--max-stream-rate", "300", "--prefill-rate", "80000", "--max-model-len", str(CONTEXT),
         "--max-lifetime-s", str(duration_s + 300),
     ]  # fmt: skip
-    up = h._popen(up_cmd, workdir / f"upstream-{label}.log", None)
+    up, upstream_url = h.start_rate_upstream(workdir, up_args, f"upstream-{label}")
     proxy = None
     try:
-        h.wait_for_line(up, "rate upstream ready", 30, "rate upstream")
-        upstream_url = f"http://127.0.0.1:{up_port}"
         cfg = workdir / f"config-{label}.yaml"
         cfg.write_text(yaml.safe_dump(config(upstream_url, max_inflight)))
         proxy = h.start_proxy(cfg, px_port, upstream_url, workdir, src=src)
@@ -412,14 +396,7 @@ def table(runs: list[Run], results: list[Result], window_s: float) -> str:
     rows.append(("churn identities sent", "100000", [f"{run.churn_sent}" for run in runs]))
     rows.append(("proxy RSS start / max / end, MiB", "bounded", [f"{r.rss_start:.0f} / {r.rss_max:.0f} / {r.rss_end:.0f}" for r in results]))
     rows.append(("users tracked (max)", "<= 20000", [str(r.users_tracked_max) if r.users_tracked_max is not None else "-" for r in results]))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(8, max(len(r[1]) for r in rows))
-    wc = [max(len(lab), max(len(r[2][i]) for r in rows)) for i, lab in enumerate(labels)]
-    out = [f"{'':<{w0}}  {'target':>{w1}}  " + "  ".join(f"{lab:>{wc[i]}}" for i, lab in enumerate(labels))]
-    out.append("-" * len(out[-1]))
-    for name, target, vals in rows:
-        out.append(f"{name:<{w0}}  {target:>{w1}}  " + "  ".join(f"{v:>{wc[i]}}" for i, v in enumerate(vals)))
-    return "\n".join(out)
+    return h.target_table(labels, rows)
 
 
 def _statuses(d: dict[int, int]) -> str:

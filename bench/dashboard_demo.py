@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from . import _harness as h
+from . import harness as h
 
 CHROMIUM = "/usr/bin/chromium"
 # headless, and nothing reaching out to the internet (updates, sync, first-run pages)
@@ -90,16 +90,16 @@ def launch_chromium(playwright) -> Iterator[object]:
         browser.close()
 
 
-def start_loads(url: str, duration_s: float, itl_s: float = 0.01, max_tokens: int = 48) -> list[subprocess.Popen]:
+def start_loads(url: str, duration_s: float, workdir: Path, itl_s: float = 0.01, max_tokens: int = 48) -> list[subprocess.Popen]:
     """One open-loop ``bench.loadgen`` process per group of :data:`LOAD`, each bounded by
-    ``duration_s`` seconds (and 64 requests in flight)."""
+    ``duration_s`` seconds (and 64 requests in flight), its output in ``workdir``."""
     procs = []
-    for keys, rate in LOAD:
+    for i, (keys, rate) in enumerate(LOAD):
         cmd = [sys.executable, "-m", "bench.loadgen", "--url", url, "--rate", str(rate), "--concurrency", "64", "--duration-s", str(duration_s),
                "--max-tokens", str(max_tokens), "--fake", f'{{"itl_s": {itl_s}}}', "--timeout-s", "30"]
         for k in keys:
             cmd += ["--key", k]
-        procs.append(subprocess.Popen(cmd, cwd=h.REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        procs.append(h.spawn(cmd, workdir / f"load-{i}.log", pipe_stdout=False))
     return procs
 
 
@@ -129,7 +129,7 @@ def main() -> None:
                 page.fill("#key", ADMIN_KEY)
                 page.click("#key-form button[type=submit]")
                 page.wait_for_selector("#board:not([hidden])", timeout=10_000)
-                loads = start_loads(url, a.watch_s + 15)
+                loads = start_loads(url, a.watch_s + 15, wd)
                 time.sleep(a.watch_s)
                 out = Path(a.screenshot)
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,14 +48,13 @@ import asyncio
 import importlib.metadata
 import json
 import os
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from . import harness as h
 
 # library name -> (module to import, distribution name for its version)
 LIBS = {
@@ -457,15 +456,6 @@ def _touch(status, headers) -> None:
 # ---------------------------------------------------------------- child: one library
 
 
-def _post(url: str, obj: dict | None = None) -> dict:
-    """Blocking JSON POST (or GET with ``obj`` None) to the fake upstream's control
-    endpoints; used between measured phases only."""
-    data = None if obj is None else json.dumps(obj).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
 async def _closed_loop(n: int, conc: int, one) -> dict:
     """``n`` calls of ``one()`` by ``conc`` workers; CPU (this process, all threads) and
     wall time over the whole loop."""
@@ -521,17 +511,17 @@ async def child_main(lib: str, base: str, a) -> dict:
         if a.checks:
             await client.request(req_body)  # a pooled connection first: the checks time chunks, not the connect
             out["checks"] = await _checks(client, base, stream_body)
-        _post(base + "/timing", {"stream_itl_s": 0.0})
+        h.http_json(base + "/timing", {"stream_itl_s": 0.0})
         await _closed_loop(a.warmup, a.concurrency, one_request)
         await _closed_loop(max(a.warmup // 5, a.concurrency), a.concurrency, one_stream)
         out["requests"] = await _closed_loop(a.requests, a.concurrency, one_request)
         out["streams"] = await _closed_loop(a.streams, a.concurrency, one_stream)
         if a.paced_streams:
-            _post(base + "/timing", {"stream_itl_s": a.paced_itl_s})
+            h.http_json(base + "/timing", {"stream_itl_s": a.paced_itl_s})
             try:
                 out["paced"] = await _closed_loop(a.paced_streams, a.concurrency, one_stream)
             finally:
-                _post(base + "/timing", {"stream_itl_s": None})
+                h.http_json(base + "/timing", {"stream_itl_s": None})
         out["threads_at_end"] = len(os.listdir("/proc/self/task"))
     finally:
         await client.aclose()
@@ -542,7 +532,7 @@ async def _checks(client, base: str, stream_body: bytes) -> dict:
     """Chunk-by-chunk delivery and abort-closes-the-connection, on one stream each."""
     res: dict = {}
     itl = 0.02
-    _post(base + "/timing", {"stream_itl_s": itl})
+    h.http_json(base + "/timing", {"stream_itl_s": itl})
     try:
         # (1) chunk by chunk: 8 tokens 20 ms apart -> 10 events over >= 140 ms
         times: list[float] = []
@@ -559,7 +549,7 @@ async def _checks(client, base: str, stream_body: bytes) -> dict:
             res["internal_abort"] = await _abort_check(client, base)
             client.internal_abort = False
         # (3) the pool still works after an abort
-        _post(base + "/timing", {"stream_itl_s": 0.0})
+        h.http_json(base + "/timing", {"stream_itl_s": 0.0})
         try:
             await asyncio.wait_for(client.request(_body(False, 4)), 10)
             res["request_after_abort"] = True
@@ -568,7 +558,7 @@ async def _checks(client, base: str, stream_body: bytes) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, the bench goes on
         res["error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
-        _post(base + "/timing", {"stream_itl_s": None})
+        h.http_json(base + "/timing", {"stream_itl_s": None})
     return res
 
 
@@ -576,7 +566,7 @@ async def _abort_check(client, base: str) -> dict:
     """Open a 1000-token stream (20 ms between tokens upstream), read 3 chunks, let the
     adapter close the response: did the close return (within 5 s), and did the upstream
     see the connection closed within 3 s of it?"""
-    _post(base + "/stats/reset", {})
+    h.http_json(base + "/stats/reset", {})
     seen = 0
 
     def on_chunk(_c) -> bool:
@@ -594,7 +584,7 @@ async def _abort_check(client, base: str) -> dict:
     t1 = time.perf_counter()
     stats: dict = {}
     while time.perf_counter() - t1 < 3:
-        stats = await asyncio.to_thread(_post, base + "/stats")
+        stats = await asyncio.to_thread(h.http_json, base + "/stats")
         if stats["aborted"] >= 1 and stats["active"] == 0:
             break
         await asyncio.sleep(0.02)
@@ -631,13 +621,8 @@ def _version(lib: str) -> str | None:
         return None
 
 
-def _median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def _fmt(v, nd=0) -> str:
-    return "-" if v is None else f"{v:,.{nd}f}"
+    return h.fmt(v, f",.{nd}f", "-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -664,9 +649,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.rounds, a.requests, a.streams, a.paced_streams, a.warmup = 1, 1000, 200, 100, 200
 
-    sys.path.insert(0, str(REPO_ROOT))
-    from bench import _harness as h
-
     libs, versions = [], {}
     for lib in a.libs.split(","):
         v = _version(lib)
@@ -676,23 +658,15 @@ def main(argv: list[str] | None = None) -> int:
         libs.append(lib)
         versions[lib] = v
 
-    up_python = a.upstream_python or (str(REPO_ROOT / ".venv/bin/python") if (REPO_ROOT / ".venv/bin/python").exists() else sys.executable)
+    venv_python = h.REPO_ROOT / ".venv/bin/python"
+    up_python = a.upstream_python or (str(venv_python) if venv_python.exists() else sys.executable)
     port = h.free_port()
     base = f"http://127.0.0.1:{port}"
-    ucpu = a.upstream_cpu
-
-    def pin_upstream() -> None:
-        os.sched_setaffinity(0, {ucpu})
-
-    log = open(f"/tmp/http-clients-upstream-{port}.log", "wb")
-    up = subprocess.Popen(
-        [up_python, "-m", "bench.fake_upstream", "--port", str(port), "--ttft-s", "0", "--itl-s", "0"],
-        cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=pin_upstream, start_new_session=True,
-    )
+    workdir = Path(tempfile.mkdtemp(prefix="http-clients-"))  # the upstream's log stays there
+    up = h.start_fake_upstream(port, workdir, cpus={a.upstream_cpu}, python=up_python)
     results: dict[str, list] = {lib: [] for lib in libs}
     checks: dict[str, dict] = {}
     try:
-        h.wait_for_line(up, "fake upstream ready", 30, "fake upstream")
         for r in range(a.rounds):
             order = libs[r % len(libs):] + libs[: r % len(libs)]
             for lib in order:
@@ -702,10 +676,10 @@ def main(argv: list[str] | None = None) -> int:
                 if r == 0:
                     cmd.append("--checks")
                 try:
-                    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+                    p = subprocess.run(cmd, cwd=h.REPO_ROOT, capture_output=True, text=True, timeout=600)
                 except subprocess.TimeoutExpired:
                     print(f"round {r + 1} {lib}: timed out", flush=True)
-                    _post(base + "/timing", {"stream_itl_s": None})
+                    h.http_json(base + "/timing", {"stream_itl_s": None})
                     continue
                 line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
@@ -726,14 +700,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         h.stop(up)
-        log.close()
 
     rows = []
     for lib in libs:
         rs = results[lib]
 
         def per(key: str, f):
-            return _median([f(x[key]) for x in rs if x.get(key) and x[key]["ok"]])
+            return h.median([f(x[key]) for x in rs if x.get(key) and x[key]["ok"]])
 
         c = checks.get(lib, {})
         rows.append({
@@ -747,21 +720,23 @@ def main(argv: list[str] | None = None) -> int:
             "chunks_per_paced_stream": per("paced", lambda s: s["extra"] / s["ok"]),
             "errors": sum(x[k]["errors"] for x in rs for k in ("requests", "streams", "paced") if x.get(k)),
             "chunk_by_chunk": c.get("chunk_by_chunk"), "abort_closes": c.get("abort_closes"), "checks": c,
-            "threads": _median([x.get("threads_at_end") for x in rs]),
+            "threads": h.median([x.get("threads_at_end") for x in rs]),
         })
     print(f"\nmedians of {a.rounds} rounds; client on CPU {a.client_cpu}, fake upstream on CPU {a.upstream_cpu}; concurrency {a.concurrency}; "
           f"{a.requests} requests, {a.streams} streams (no pause), {a.paced_streams} paced streams ({a.paced_itl_s * 1000:g} ms between tokens)\n")
-    print("| library | version | CPU µs/request | req/s | CPU µs/stream (no pause) | chunks | streams/s | CPU µs/stream (paced) | chunks | chunk by chunk | abort closes | errors | threads |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
-    for x in rows:
-        print(f"| {x['lib']} | {x['version']} | {_fmt(x['cpu_us_per_request'])} | {_fmt(x['requests_per_s'])} | {_fmt(x['cpu_us_per_stream'])} | "
-              f"{_fmt(x['chunks_per_stream'], 1)} | {_fmt(x['streams_per_s'])} | {_fmt(x['cpu_us_per_paced_stream'])} | {_fmt(x['chunks_per_paced_stream'], 1)} | "
-              f"{x['chunk_by_chunk']} | {x['abort_closes']} | {x['errors']} | {_fmt(x['threads'])} |")
+    print(h.markdown_table(
+        ["library", "version", "CPU µs/request", "req/s", "CPU µs/stream (no pause)", "chunks", "streams/s", "CPU µs/stream (paced)", "chunks",
+         "chunk by chunk", "abort closes", "errors", "threads"],
+        [[x["lib"], x["version"], _fmt(x["cpu_us_per_request"]), _fmt(x["requests_per_s"]), _fmt(x["cpu_us_per_stream"]),
+          _fmt(x["chunks_per_stream"], 1), _fmt(x["streams_per_s"]), _fmt(x["cpu_us_per_paced_stream"]), _fmt(x["chunks_per_paced_stream"], 1),
+          x["chunk_by_chunk"], x["abort_closes"], x["errors"], _fmt(x["threads"])] for x in rows],
+        "llrrrrrrrllrr",
+    ))  # fmt: skip
     print("\nchecks (20 ms between tokens upstream):")
     for lib, c in checks.items():
         print(f"  {lib:10s} {c}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "raw": results}, indent=1))
+        h.write_json(Path(a.out), {"args": vars(a), "rows": rows, "raw": results})
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from . import _harness as h
+from . import harness as h
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> dict:
@@ -75,8 +75,8 @@ async def _hold(proxy_url: str, upstream_url: str, n: int, hold_s: float, batch:
         result["mem_kib"] = h.mem_kib(pid)
         result["fds"] = h.open_fds(pid)
         metrics = (await (await ctl.get(proxy_url + "/metrics")).read()).decode()
-        inflight = [ln for ln in metrics.splitlines() if ln.startswith("llm_qos_inflight_requests ")]
-        result["proxy_inflight"] = int(float(inflight[0].split()[1])) if inflight else None
+        inflight = h.parse_prometheus(metrics, ("llm_qos_inflight_requests",)).get("llm_qos_inflight_requests")
+        result["proxy_inflight"] = None if inflight is None else int(inflight)
         result["upstream_active"] = (await _get_json(ctl, upstream_url + "/stats"))["active"]
     finally:
         for t in tasks:
@@ -111,14 +111,12 @@ def run(
         cfg = h.write_proxy_config(wd / "idle.yaml", upstream_url, max_inflight=streams + 100, max_queue=streams + 100)
         proxy = h.start_proxy(cfg, px_port, upstream_url, wd, src=proxy_src)
         # a few ordinary requests first, so the baseline is a warm process
-        import uvloop
-
         from .loadgen import LoadSpec, run_load
 
-        uvloop.run(run_load(LoadSpec(url=proxy_url, concurrency=4, requests=200, duration_s=10, keys=h.KEYS)))
+        h.run_loop(run_load(LoadSpec(url=proxy_url, concurrency=4, requests=200, duration_s=10, keys=h.KEYS)))
         base = h.mem_kib(proxy.pid)
         n = min(streams, (limit - h.open_fds(proxy.pid) - 32) // 2)
-        res = uvloop.run(_hold(proxy_url, upstream_url, n, hold_s, batch, time.monotonic() + timeout_s, proxy.pid))
+        res = h.run_loop(_hold(proxy_url, upstream_url, n, hold_s, batch, time.monotonic() + timeout_s, proxy.pid))
         rss, base_rss = res["mem_kib"]["VmRSS"], base["VmRSS"]
         per_stream = (rss - base_rss) / n if n else 0.0
         out = {
@@ -132,7 +130,7 @@ def run(
             "rss_mib_at_target": round((base_rss + per_stream * streams) / 1024, 1),
             **{k: v for k, v in res.items() if k != "mem_kib"},
         }
-        out["healthy_after"] = uvloop.run(run_load(LoadSpec(url=proxy_url, concurrency=2, requests=20, duration_s=10, keys=h.KEYS))).ok == 20
+        out["healthy_after"] = h.run_loop(run_load(LoadSpec(url=proxy_url, concurrency=2, requests=20, duration_s=10, keys=h.KEYS))).ok == 20
         return out
     finally:
         h.stop(proxy)

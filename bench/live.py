@@ -19,10 +19,11 @@ import asyncio
 import gc
 import logging
 import os
-import re
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -34,37 +35,19 @@ from proxy.api.app import create_app
 from proxy.config.loading import config_digest, parse_config
 from proxy.api.handlers import STATE
 
+from . import harness as h
 from .policies import make_scheduler
 from .sim import RequestResult, RunResult
 from .workload import Request, Scenario, make_requests, proxy_config
 
 
-async def start_upstream(sc: Scenario, speedup: float, max_lifetime_s: float) -> tuple[asyncio.subprocess.Process, str]:
-    """Start :mod:`bench.rate_upstream` in a child process; return it and its URL."""
+def start_upstream(sc: Scenario, speedup: float, max_lifetime_s: float, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Start :mod:`bench.rate_upstream` with the scenario's engine, ``speedup`` times
+    faster, in a child process (its log in ``workdir``); return it and its URL."""
     eng = sc.engine.scaled(speedup)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.rate_upstream", "--port", "0",
-        "--rate", str(eng.rate), "--max-stream-rate", str(eng.max_stream_rate),
-        "--prefill-rate", str(eng.prefill_rate), "--max-lifetime-s", str(max_lifetime_s),
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 30.0)
-    m = re.search(rb"http://127\.0\.0\.1:(\d+)", line)
-    if not m:
-        proc.kill()
-        raise RuntimeError(f"rate upstream did not start: {line!r}")
-    return proc, f"http://127.0.0.1:{int(m.group(1))}"
-
-
-async def stop_upstream(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10.0)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    args = ["--rate", str(eng.rate), "--max-stream-rate", str(eng.max_stream_rate), "--prefill-rate", str(eng.prefill_rate),
+            "--max-lifetime-s", str(max_lifetime_s)]  # fmt: skip
+    return h.start_rate_upstream(workdir, args)
 
 
 def _body(r: Request) -> dict:
@@ -135,13 +118,7 @@ def client_main(argv: list[str]) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 1000)
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:  # pragma: no cover
-        run = asyncio.run
-    data = run(_client(Scenario(seed=seed, duration_s=duration * speedup), proxy_url, upstream_url, speedup, duration))
+    data = h.run_loop(_client(Scenario(seed=seed, duration_s=duration * speedup), proxy_url, upstream_url, speedup, duration))
     with open(out, "wb") as f:
         f.write(orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
 
@@ -227,14 +204,15 @@ async def run_policy(sc: Scenario, policy: str, upstream_url: str, speedup: floa
 
 async def run_live(sc: Scenario, policies: tuple[str, ...], speedup: float, duration_s: float) -> list[RunResult]:
     """Run each policy live, one after the other, against one upstream process."""
-    proc, upstream_url = await start_upstream(sc, speedup, max_lifetime_s=len(policies) * (duration_s + 60.0) + 60.0)
-    out = []
-    try:
-        for p in policies:
-            out.append(await run_policy(sc, p, upstream_url, speedup, duration_s))
-            await asyncio.sleep(0.5)  # let aborted upstream streams wind down
-    finally:
-        await stop_upstream(proc)
+    with tempfile.TemporaryDirectory(prefix="llm-qos-live-") as workdir:
+        proc, upstream_url = start_upstream(sc, speedup, len(policies) * (duration_s + 60.0) + 60.0, Path(workdir))
+        out = []
+        try:
+            for p in policies:
+                out.append(await run_policy(sc, p, upstream_url, speedup, duration_s))
+                await asyncio.sleep(0.5)  # let aborted upstream streams wind down
+        finally:
+            h.stop(proc)
     return out
 
 

@@ -5,7 +5,7 @@ proxy (``python -m proxy proxy``, its own process, admission on, shipped default
 otherwise), nginx as a plain streaming reverse proxy (``proxy_buffering off``, one worker,
 keep-alive upstream) if installed, and vllm-router and sglang-router (Rust, from PyPI, in
 their own venv ``.venv-routers``: ``make bench-routers``; the command lines are in
-``bench._harness.router_command``) if installed, all in front of the same upstream, and
+``bench.harness.router_command``) if installed, all in front of the same upstream, and
 measures, alternating between the targets round by round:
 
 * p50 latency at concurrency 1 (non-streaming; "added" = target p50 - direct p50 of the
@@ -52,9 +52,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import orjson
-
-from . import _harness as h
+from . import harness as h
 from .loadgen import LoadPool, LoadSpec
 
 STREAM_TOKENS = 64
@@ -92,11 +90,6 @@ QUICK = Sizes(rounds=1, lat_requests=800, cpu_requests=2000, streams=200, throug
 class Target:
     def __init__(self, name: str, url: str, pids: list[int] | None) -> None:
         self.name, self.url, self.pids = name, url, pids
-
-
-def _median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def admission_micro(queued: int = 10000, iters: int = 4000, repeats: int = 5, users: int = 1000) -> float:
@@ -145,19 +138,7 @@ def _phase(pool: LoadPool, spec: LoadSpec, target: Target, procs: int = 1) -> di
 
 def _set_timing(upstream_url: str, **timing) -> None:
     """Set the fake upstream's default timing (``POST /timing``)."""
-    h.wait_http_200(upstream_url + "/timing", 10, body=timing)
-
-
-def nginx_version(binary: str) -> str | None:
-    """``1.22.1`` from ``nginx -v`` (it writes to stderr), or ``None``."""
-    import subprocess
-
-    try:
-        out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = out.stderr + out.stdout
-    return text.rsplit("/", 1)[-1].strip() if "/" in text else None
+    h.http_json(upstream_url + "/timing", timing)
 
 
 def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, proxy_src: str | None = None,
@@ -190,7 +171,7 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
                 nginx = h.Nginx(binary, ng_port, up_port, wd)
                 targets.append(Target("nginx", f"http://127.0.0.1:{ng_port}", nginx.pids))
                 results["nginx"] = "installed"
-                results["versions"]["nginx"] = nginx_version(binary)
+                results["versions"]["nginx"] = h.nginx_version(binary)
             else:
                 results["nginx"] = "skipped: nginx is not installed (apt-get install -y nginx)" if use_nginx else "skipped (--no-nginx)"
                 log(f"note: nginx {results['nginx']}")
@@ -256,23 +237,23 @@ def measure(sizes: Sizes, pin: bool, use_nginx: bool, idle: bool, log=print, pro
             for t in targets:
                 d = raw[t.name]
                 row = {
-                    "p50_ms_c1": _median([s["p50_ms"] for s in d["lat"]]),
-                    "p99_ms_c1": _median([s["p99_ms"] for s in d["lat"]]),
-                    "added_p50_ms": None if t.name == "direct" else _median(
+                    "p50_ms_c1": h.median([s["p50_ms"] for s in d["lat"]]),
+                    "p99_ms_c1": h.median([s["p99_ms"] for s in d["lat"]]),
+                    "added_p50_ms": None if t.name == "direct" else h.median(
                         [s["p50_ms"] - dd["p50_ms"] for s, dd in zip(d["lat"], raw["direct"]["lat"])]
                     ),
-                    "req_per_s_c32": _median([s["req_per_s"] for s in d["rps32"]]),
-                    "streams_per_s_c32": _median([s["req_per_s"] for s in d["streams32"]]),
-                    "stream_ttft_p50_ms": _median([s["ttft_p50_ms"] for s in d["stream"]]),
+                    "req_per_s_c32": h.median([s["req_per_s"] for s in d["rps32"]]),
+                    "streams_per_s_c32": h.median([s["req_per_s"] for s in d["streams32"]]),
+                    "stream_ttft_p50_ms": h.median([s["ttft_p50_ms"] for s in d["stream"]]),
                     "errors": sum(sum(s["errors"].values()) for p in d.values() for s in p),
                 }
                 if t.pids:
-                    row["cpu_ms_per_request"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["cpu"] if s["ok"]])
-                    row["cpu_ms_per_request_c1"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["lat"] if s["ok"]])
-                    row["cpu_ms_per_stream"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["stream"] if s["ok"]])
+                    row["cpu_ms_per_request"] = h.median([s["cpu_s"] * 1000 / s["ok"] for s in d["cpu"] if s["ok"]])
+                    row["cpu_ms_per_request_c1"] = h.median([s["cpu_s"] * 1000 / s["ok"] for s in d["lat"] if s["ok"]])
+                    row["cpu_ms_per_stream"] = h.median([s["cpu_s"] * 1000 / s["ok"] for s in d["stream"] if s["ok"]])
                     row["cpu_us_per_chunk"] = None if row["cpu_ms_per_stream"] is None else row["cpu_ms_per_stream"] * 1000 / STREAM_EVENTS
                     # unpinned, no pause between tokens (the upstream's writes may coalesce)
-                    row["cpu_ms_per_stream_c32"] = _median([s["cpu_s"] * 1000 / s["ok"] for s in d["streams32"] if s["ok"]])
+                    row["cpu_ms_per_stream_c32"] = h.median([s["cpu_s"] * 1000 / s["ok"] for s in d["streams32"] if s["ok"]])
                     row["rss_mib"] = round(sum(h.mem_kib(p)["VmRSS"] for p in t.pids) / 1024, 1)
                 rows[t.name] = row
             results["rows"] = rows
@@ -341,12 +322,7 @@ def _idle_at_target(idle: dict) -> float:
     return idle["baseline_rss_mib"] + idle["kib_per_stream"] * IDLE_TARGET_STREAMS / 1024
 
 
-def _fmt(v, nd=2) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
+NA = "—"  # a figure not measured
 
 
 def _name(results: dict, name: str) -> str:
@@ -359,19 +335,14 @@ def table(results: dict) -> str:
     router and to nginx, then the details (p50/p99, per chunk, RSS), idle streams and the
     admission decision."""
     rows = results["rows"]
-    lines = [
-        "| target | added p50 at c=1 (ms) | CPU per non-streaming request (ms) | CPU per 64-token stream (ms) "
-        "| non-streaming req/s (c=32) | streams/s (c=32) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, r in rows.items():
-        bold = "**" if name == "llm-qos" else ""
-        added = r["added_p50_ms"]
-        lines.append(
-            f"| {bold}{_name(results, name)}{bold} | {'—' if added is None else f'{added:+.2f}'} | {_fmt(r.get('cpu_ms_per_request'), 3)} | "
-            f"{_fmt(r.get('cpu_ms_per_stream'), 3)} | {_fmt(r['req_per_s_c32'], 0)} | {_fmt(r['streams_per_s_c32'], 0)} |"
-        )
-    out = "\n".join(lines)
+    out = h.markdown_table(
+        ["target", "added p50 at c=1 (ms)", "CPU per non-streaming request (ms)", "CPU per 64-token stream (ms)",
+         "non-streaming req/s (c=32)", "streams/s (c=32)"],
+        [[f"**{_name(results, name)}**" if name == "llm-qos" else _name(results, name), h.fmt(r["added_p50_ms"], "+.2f", NA),
+          h.fmt(r.get("cpu_ms_per_request"), ".3f", NA), h.fmt(r.get("cpu_ms_per_stream"), ".3f", NA),
+          h.fmt(r["req_per_s_c32"], ".0f", NA), h.fmt(r["streams_per_s_c32"], ".0f", NA)] for name, r in rows.items()],
+        "lrrrrr",
+    )  # fmt: skip
     labels = {
         "cpu_ms_per_request": "CPU per request", "cpu_ms_per_stream": "CPU per stream",
         "streams_per_s_c32": "streams/s", "req_per_s_c32": "req/s", "added_p50_ms": "added p50",
@@ -387,17 +358,14 @@ def table(results: dict) -> str:
             elif e.get("ratio") is not None:
                 parts.append(f"{labels[key]} {e['ratio']:.2f}x ({e['target']})")
         out += f"\n\nllm-qos / {title}: " + ", ".join(parts)
-    out += (
-        "\n\n| target | p50 c=1 (ms) | p99 c=1 (ms) | CPU / request at c=1 (ms) | CPU / chunk (µs) | stream TTFT p50 (ms) "
-        "| CPU / stream at c=32, no token pause (ms) | RSS (MiB) | errors |"
-        "\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-    )
-    for name, r in rows.items():
-        out += (
-            f"\n| {name} | {_fmt(r['p50_ms_c1'], 3)} | {_fmt(r['p99_ms_c1'], 3)} | {_fmt(r.get('cpu_ms_per_request_c1'), 3)} | "
-            f"{_fmt(r.get('cpu_us_per_chunk'), 1)} | {_fmt(r['stream_ttft_p50_ms'], 2)} | {_fmt(r.get('cpu_ms_per_stream_c32'), 3)} | "
-            f"{_fmt(r.get('rss_mib'), 1)} | {r['errors']} |"
-        )
+    out += "\n\n" + h.markdown_table(
+        ["target", "p50 c=1 (ms)", "p99 c=1 (ms)", "CPU / request at c=1 (ms)", "CPU / chunk (µs)", "stream TTFT p50 (ms)",
+         "CPU / stream at c=32, no token pause (ms)", "RSS (MiB)", "errors"],
+        [[name, h.fmt(r["p50_ms_c1"], ".3f", NA), h.fmt(r["p99_ms_c1"], ".3f", NA), h.fmt(r.get("cpu_ms_per_request_c1"), ".3f", NA),
+          h.fmt(r.get("cpu_us_per_chunk"), ".1f", NA), h.fmt(r["stream_ttft_p50_ms"], ".2f", NA),
+          h.fmt(r.get("cpu_ms_per_stream_c32"), ".3f", NA), h.fmt(r.get("rss_mib"), ".1f", NA), r["errors"]] for name, r in rows.items()],
+        "l" + "r" * 8,
+    )  # fmt: skip
     idle = results.get("idle")
     if idle:
         extra = ""
@@ -499,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets:")
     print("\n".join(verdict(results)))
     if a.json:
-        Path(a.json).write_text(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+        h.write_json(Path(a.json), results)
     return 0
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench._harness import children, cpu_s, free_port, start_fake_upstream, stop
+from bench import harness as h
 from bench.loadgen import LoadSpec, run_load_procs
 from tests.redis_server import RedisServer
 from tests.replica_stack import Replicas, replica_config
@@ -203,8 +203,8 @@ SETUPS = (
 def throughput(workdir: Path, redis: RedisServer, quick: bool) -> list[dict]:
     """Each setup ``rounds`` times, alternating (noise from a shared machine hits all
     alike); medians of requests/s, CPU per request and p50/p99 at concurrency 1."""
-    port = free_port()
-    up = start_fake_upstream(port, workdir)
+    port = h.free_port()
+    up = h.start_fake_upstream(port, workdir)
     engine = f"http://127.0.0.1:{port}"
     dur = 3.0 if quick else 6.0
     rounds = 2 if quick else 3
@@ -222,10 +222,10 @@ def throughput(workdir: Path, redis: RedisServer, quick: bool) -> list[dict]:
                 try:
                     url = reps.urls[0]
                     keys = [("sk-lim" if limited else "sk-carl", 1.0)]
-                    pids = [reps.procs[0].pid, *children(reps.procs[0].pid)]
-                    c0 = cpu_s(*pids)
+                    pid = reps.procs[0].pid
+                    c0 = h.tree_cpu_s([pid])
                     res = run_load_procs(LoadSpec(url, concurrency=64, duration_s=dur, max_tokens=16, warmup=200, keys=keys), 1).summary()
-                    c1 = cpu_s(*pids)
+                    c1 = h.tree_cpu_s([pid])
                     lat = run_load_procs(LoadSpec(url, concurrency=1, duration_s=dur / 2, max_tokens=16, warmup=50, keys=keys), 1).summary()
                     raw[name].append(
                         {"req_per_s": res["req_per_s"], "cpu_ms_per_req": (c1 - c0) * 1000 / max(1, res["ok"]), "p50": lat["p50_ms"], "p99": lat["p99_ms"],
@@ -235,7 +235,7 @@ def throughput(workdir: Path, redis: RedisServer, quick: bool) -> list[dict]:
                 finally:
                     reps.stop()
     finally:
-        stop(up)
+        h.stop(up)
     med = statistics.median
     return [
         {
@@ -254,8 +254,8 @@ def throughput(workdir: Path, redis: RedisServer, quick: bool) -> list[dict]:
 
 
 async def guarantees(workdir: Path, redis: RedisServer, quick: bool, window_s: float) -> dict:
-    port = free_port()
-    up = start_fake_upstream(port, workdir, itl_s=0.01)
+    port = h.free_port()
+    up = h.start_fake_upstream(port, workdir, itl_s=0.01)
     engine = f"http://127.0.0.1:{port}"
     out: dict = {"shared": {}, "baseline": {}}
     duration = 2 * window_s if quick else 3 * window_s
@@ -286,7 +286,7 @@ async def guarantees(workdir: Path, redis: RedisServer, quick: bool, window_s: f
             finally:
                 dep.close()
     finally:
-        stop(up)
+        h.stop(up)
     return out
 
 
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         redis.close()
     print(json.dumps(results, indent=1))
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        h.write_json(a.json, results)
     if a.plot and "guarantees" in results and "throughput" in results:
         plot(results, a.plot)
     return 0

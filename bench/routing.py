@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from . import _harness as h
+from . import harness as h
 from .loadgen import LoadSpec, run_load
 from .report import Metrics, measure
 from .sim import RequestResult, RunResult
@@ -109,18 +109,12 @@ def run_policy(policy: str, urls: dict[str, str], workdir: Path, duration_s: flo
             )
             for i, u in enumerate(SC.users)
         ]  # fmt: skip
-        try:
-            import uvloop
-
-            run = uvloop.run
-        except ImportError:  # pragma: no cover
-            run = asyncio.run
 
         async def load() -> list:
             return await asyncio.wait_for(asyncio.gather(*(run_load(s) for s in specs)), duration_s + 90.0)
 
         t0 = time.perf_counter()
-        results = run(load())
+        results = h.run_loop(load())
     finally:
         h.stop(proxy)
     return [rec for r in results for rec in r.records], t0
@@ -183,9 +177,7 @@ def table(results: list[Result], window_s: float) -> str:
     for name, s in ENGINES:
         rows.append((f"requests on {name} ({s:g}x speed)", f"{100 * s / speed:.0f}% (speed share)", [f"{pp(r.engine_share[name])}%" for r in results]))
     rows.append(("refused requests (after the warm-up)", "0", [str(sum(r.m.refused.values())) for r in results]))
-    out = ["| | reference | " + " | ".join(f"`{r.policy}`" for r in results) + " |", "|---|---|" + "---|" * len(results)]
-    out += [f"| {name} | {ref} | " + " | ".join(vals) + " |" for name, ref, vals in rows]
-    return "\n".join(out)
+    return h.markdown_table(["", "reference", *(f"`{r.policy}`" for r in results)], [[name, ref, *vals] for name, ref, vals in rows])
 
 
 def plot(results: list[Result], warmup_s: float, window_s: float, path: Path) -> None:
