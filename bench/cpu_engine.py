@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench._harness import REPO_ROOT, children, cpu_s, free_port, start_proxy, stop, wait_for_line, _popen
+from bench import harness as h
 
 PROMPT = "Write a long story about a robot who learns to paint. Describe every painting in detail."
 API_KEY = "sk-alice"  # a user of the shipped config (proxy/default_config.yaml)
@@ -101,43 +101,6 @@ async def run_streams(url: str, model: str, n: int, max_tokens: int) -> dict:
     }
 
 
-def _proc_stat_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    tck = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / tck, sum(fields) / tck
-
-
-def _our_cpu(pids: list[int]) -> float:
-    seen, total = set(), 0.0
-    stack = list(pids)
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            total += cpu_s(pid)
-        except OSError:
-            continue
-        stack += children(pid)
-    return total
-
-
-def start_engine(port: int, workdir: Path) -> tuple[object, str]:
-    log = workdir / "engine.log"
-    cmd = [sys.executable, "-m", "engine_server", "--backend", "cpu", "--host", "127.0.0.1", "--port", str(port)]
-    proc = _popen(cmd, log, None)
-    try:
-        line = wait_for_line(proc, "engine ready at ", 600, "engine", lambda: log.read_text()[-2000:])
-    except RuntimeError:
-        stop(proc)
-        raise
-    return proc, line.rsplit("model=", 1)[1].rstrip(")")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,4,8", help="concurrent streams per scenario (default 1,4,8)")
@@ -150,19 +113,18 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    engine_port = free_port()
-    engine, model = start_engine(engine_port, workdir)
+    engine_port = h.free_port()
+    engine, model, _cmd = h.start_engine_server("cpu", engine_port, workdir, 600)
     procs = [engine]
     targets = [("engine", f"http://127.0.0.1:{engine_port}")]
     try:
         if not args.no_proxy:
-            port = free_port()
-            proxy = start_proxy(REPO_ROOT / "proxy" / "default_config.yaml", port, targets[0][1], workdir)
+            port = h.free_port()
+            proxy = h.start_proxy(h.REPO_ROOT / "proxy" / "default_config.yaml", port, targets[0][1], workdir)
             procs.append(proxy)
             targets.append(("proxy", f"http://127.0.0.1:{port}"))
         asyncio.run(run_streams(targets[0][1], model, 1, 16))  # warm-up
-        busy0, total0 = _proc_stat_busy()
-        ours0 = _our_cpu([p.pid for p in procs] + [os.getpid()])
+        cpu0 = h.cpu_sample([p.pid for p in procs] + [os.getpid()])
         wall0 = time.monotonic()
         rows = []
         for via, url in targets:
@@ -171,22 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 rows.append({"via": via, "streams": n, **med})
                 print(f"  {via:6} {n} stream(s): {med['total_rate']:.1f} tok/s total", file=sys.stderr, flush=True)
-        busy1, total1 = _proc_stat_busy()
-        ours1 = _our_cpu([p.pid for p in procs] + [os.getpid()])
+        cpu1 = h.cpu_sample([p.pid for p in procs] + [os.getpid()])
         wall = time.monotonic() - wall0
     finally:
         for p in reversed(procs):
-            stop(p)
+            h.stop(p)
     ncpu = os.cpu_count() or 1
-    others = max(0.0, (busy1 - busy0) - (ours1 - ours0))
-    cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("model name")), "unknown CPU")
+    others_share, ours_share = h.cpu_shares(cpu0, cpu1, wall)
+    cpu_model = h.cpu_model() or "unknown CPU"
     result = {
         "cpu": cpu_model,
         "cpus": ncpu,
         "load_before": [round(x, 2) for x in load_before],
-        "others_cpu_share": others / (wall * ncpu),
-        "ours_cpu_share": (ours1 - ours0) / (wall * ncpu),
+        "others_cpu_share": others_share,
+        "ours_cpu_share": ours_share,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "rows": rows,
@@ -196,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
           f"during the run other processes used {100 * result['others_cpu_share']:.0f}% of the machine, "
           f"this benchmark's processes {100 * result['ours_cpu_share']:.0f}%")
     print(f"greedy, max_tokens {args.max_tokens}, median of {args.repeats} runs\n")
-    print("| via | streams | total tok/s | decode tok/s per stream | TTFT median (s) | TTFT max (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['via']} | {r['streams']} | {r['total_rate']:.1f} | {r['decode_rate']:.1f} | {r['ttft']:.2f} | {r['ttft_max']:.2f} |")
+    print(h.markdown_table(
+        ["via", "streams", "total tok/s", "decode tok/s per stream", "TTFT median (s)", "TTFT max (s)"],
+        [[r["via"], r["streams"], f"{r['total_rate']:.1f}", f"{r['decode_rate']:.1f}", f"{r['ttft']:.2f}", f"{r['ttft_max']:.2f}"] for r in rows],
+        "lrrrrr",
+    ))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        h.write_json(args.json, result)
     return 0
 
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field, replace
 import aiohttp
 import orjson
 
+from . import harness as h
+
 
 @dataclass
 class LoadSpec:
@@ -111,10 +113,10 @@ class LoadResult:
             "requests": self.ok + n_err,
             "ok": self.ok,
             "req_per_s": round(self.ok / self.elapsed_s, 1) if self.elapsed_s else 0.0,
-            "p50_ms": _ms(percentile(self.latencies, 50)),
-            "p99_ms": _ms(percentile(self.latencies, 99)),
-            "ttft_p50_ms": _ms(percentile(self.ttfts, 50)),
-            "ttft_p99_ms": _ms(percentile(self.ttfts, 99)),
+            "p50_ms": _ms(h.percentile(self.latencies, 50)),
+            "p99_ms": _ms(h.percentile(self.latencies, 99)),
+            "ttft_p50_ms": _ms(h.percentile(self.ttfts, 50)),
+            "ttft_p99_ms": _ms(h.percentile(self.ttfts, 99)),
             "errors": dict(self.errors),
             "tokens_by_key": dict(self.tokens),
         }
@@ -122,15 +124,6 @@ class LoadResult:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000, 3)
-
-
-def percentile(values: list, p: float) -> float | None:
-    """The ``p``-th percentile (nearest rank) of ``values``, or ``None`` if empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
-    return s[k]
 
 
 def _usage_tokens(tail: bytes) -> int | None:
@@ -289,13 +282,7 @@ def _run_in_process(spec: LoadSpec) -> dict:
         import os
 
         os.sched_setaffinity(0, set(spec.cpus))
-    try:
-        import uvloop
-
-        result = uvloop.run(run_load(spec))
-    except ImportError:  # pragma: no cover
-        result = asyncio.run(run_load(spec))
-    return asdict(result)
+    return asdict(h.run_loop(run_load(spec)))
 
 
 def split(spec: LoadSpec, procs: int) -> list[LoadSpec]:

