@@ -36,14 +36,14 @@ from pathlib import Path
 
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, UserPolicy
 
+from . import harness as h
 from .policies import LABELS, POLICIES
 from .report import Metrics, measure, pct, table
 from .sim import RunResult, simulate
 from .workload import MIN_SHARE, Scenario, targets
 
-ROOT = Path(__file__).resolve().parent.parent
-PLOT = ROOT / "docs" / "img" / "fairness.png"
-ADVERSARIAL_PLOT = ROOT / "docs" / "img" / "fairness_adversarial.png"
+PLOT = h.REPO_ROOT / "docs" / "img" / "fairness.png"
+ADVERSARIAL_PLOT = h.REPO_ROOT / "docs" / "img" / "fairness_adversarial.png"
 QUICK_PLOT = Path(tempfile.gettempdir()) / "llm-qos-fairness-quick.png"  # not the documented one
 MAX_WINDOW_ERR = 0.03
 MICRO_LIMIT_US = 20.0
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Fairness benchmark: our scheduler vs FCFS vs request-count sharing, simulated and live.")
     ap.add_argument("--quick", action="store_true", help="shorter runs (about 30 s in all)")
     ap.add_argument("--no-live", action="store_true", help="skip the live run")
-    ap.add_argument("--plot", default=None, help=f"where to save the plot (PNG; default {PLOT.relative_to(ROOT)}, with --quick {QUICK_PLOT})")
+    ap.add_argument("--plot", default=None, help=f"where to save the plot (PNG; default {PLOT.relative_to(h.REPO_ROOT)}, with --quick {QUICK_PLOT})")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     ap.add_argument("--adversarial", action="store_true", help="run the adversarial scenario instead (bench/adversarial.py): one gamer per attack, live through the proxy process")
     ap.add_argument("--duration", type=float, default=110.0, help="--adversarial: seconds per run (default 110)")
@@ -210,14 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
         gc.collect()
         gc.freeze()  # the simulation's objects are not the proxy's: keep them out of its GC
-        try:
-            import uvloop
-
-            run = uvloop.run
-        except ImportError:  # pragma: no cover
-            run = asyncio.run
         live_sc = replace(sc, duration_s=live_s * speedup)
-        live_runs = run(run_live(live_sc, POLICIES, speedup, live_s))
+        live_runs = h.run_loop(run_live(live_sc, POLICIES, speedup, live_s))
         gc.unfreeze()
         live_ms = [measure(r, sc, live_warmup, live_window) for r in live_runs]
         live_label = f"{live_window:g} s (= {live_window * speedup:g} s at the model's speed)"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import harness as h
 from .sim import RunResult
 from .workload import MIN_SHARE, Scenario, targets
 
@@ -86,8 +87,8 @@ def measure(run: RunResult, sc: Scenario, warmup: float, window: float) -> Metri
     return m
 
 
-def _f(x: float, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+def _f(x: float, spec: str) -> str:
+    return h.fmt(x, spec, "-")
 
 
 def table(title: str, sc: Scenario, labels: list[str], ms: list[Metrics], window_label: str, time_unit: str = "s") -> str:
@@ -110,11 +111,4 @@ def table(title: str, sc: Scenario, labels: list[str], ms: list[Metrics], window
         rows.append((f"TTFT p50/p99 {g}, {time_unit}", "", [f"{_f(m.ttft[g][0], '.2f')}/{_f(m.ttft[g][1], '.2f')}" for m in ms]))
     rows.append((f"slot turnover (mean hold), {time_unit}", "", [_f(m.turnover, ".2f") for m in ms]))
     rows.append(("served / refused requests", "", [f"{sum(m.served.values())}/{sum(m.refused.values())}" for m in ms]))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(8, max(len(r[1]) for r in rows))
-    wc = [max(len(lab), max(len(r[2][i]) for r in rows)) for i, lab in enumerate(labels)]
-    out = [title, f"{'':<{w0}}  {'target':>{w1}}  " + "  ".join(f"{lab:>{wc[i]}}" for i, lab in enumerate(labels))]
-    out.append("-" * len(out[-1]))
-    for name, target, vals in rows:
-        out.append(f"{name:<{w0}}  {target:>{w1}}  " + "  ".join(f"{v:>{wc[i]}}" for i, v in enumerate(vals)))
-    return "\n".join(out)
+    return h.target_table(labels, rows, title)

@@ -35,6 +35,7 @@ import time
 
 import redis
 
+from bench import harness as h
 from proxy.config.schema import SharedStateConfig
 from proxy.shared import CapacityReport, ClassDemand, RateLimited, SharedState, StandaloneState, SyncReport
 from qos import RateLimit
@@ -96,11 +97,11 @@ class Meter:
         )
 
     def print(self) -> None:
-        head = ("call", "n", "p50 µs", "p99 µs", "calls/s", "proxy CPU µs/call", "Redis calls/call", "Redis µs/script")
-        print("| " + " | ".join(head) + " |")
-        print("|" + "|".join(["---"] * len(head)) + "|")
-        for name, n, p50, p99, rate, cpu, rc, ru in self.rows:
-            print(f"| {name} | {n} | {p50:.1f} | {p99:.1f} | {rate:,.0f} | {cpu:.1f} | {rc:.3f} | {ru:.1f} |")
+        print(h.markdown_table(
+            ["call", "n", "p50 µs", "p99 µs", "calls/s", "proxy CPU µs/call", "Redis calls/call", "Redis µs/script"],
+            [[name, n, f"{p50:.1f}", f"{p99:.1f}", f"{rate:,.0f}", f"{cpu:.1f}", f"{rc:.3f}", f"{ru:.1f}"]
+             for name, n, p50, p99, rate, cpu, rc, ru in self.rows],
+        ))  # fmt: skip
 
 
 async def _until(pred, timeout_s: float = 30.0) -> float:
@@ -167,10 +168,10 @@ async def lease_timings(server: RedisServer, rounds: int) -> None:
         for s in (a, b):
             await s.state.stop()
 
-    print("| lease scenario (3 replicas, interval 0.1 s, lease 3 s) | median s | max s |")
-    print("|---|---|---|")
-    for name, xs in results.items():
-        print(f"| {name} | {statistics.median(xs):.3f} | {max(xs):.3f} |")
+    print(h.markdown_table(
+        ["lease scenario (3 replicas, interval 0.1 s, lease 3 s)", "median s", "max s"],
+        [[name, f"{statistics.median(xs):.3f}", f"{max(xs):.3f}"] for name, xs in results.items()],
+    ))
 
 
 async def main(n: int, rounds: int) -> None:
@@ -258,9 +259,4 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=2000, help="calls per row")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the lease scenarios")
     args = ap.parse_args()
-    try:
-        import uvloop
-
-        uvloop.run(main(args.n, args.rounds))
-    except ImportError:
-        asyncio.run(main(args.n, args.rounds))
+    h.run_loop(main(args.n, args.rounds))
