@@ -8,7 +8,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench._harness import free_port, wait_for_line  # noqa: F401  (re-exported for the tests)
+from bench.harness import free_port, wait_for_line  # noqa: F401  (re-exported for the tests)
 
 
 def die_with_parent() -> None:

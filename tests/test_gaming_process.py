@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
-from bench._harness import free_port, start_fake_upstream, stop
+from bench.harness import free_port, start_fake_upstream, stop
 from tests.proxy_process import start_proxy, stop_proxy
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
