@@ -1,5 +1,11 @@
 """Admission control: priority classes, token-fair sharing, capacity, bounds, rate limits.
 
+(Over 400 lines, one concept: this module is :class:`Scheduler`, the one object callers
+hold, with every method of its public surface and its contract; each part with a job of
+its own is a module of its own, listed below. The core policy, the dispatch order and
+the counter update, is the first section of the class, :meth:`Scheduler._candidates`
+to :meth:`Scheduler.release`.)
+
 One :class:`Scheduler` decides, for every request, whether it is refused at once, queued,
 or dispatched upstream, and when a queued request is dispatched. It is pure: it does no
 I/O, starts no tasks, and reads time only from the clock it is given. Callers learn of
@@ -15,58 +21,55 @@ It is assembled from parts with one job each, two of them replaceable:
   refund in full when never dispatched, settle to real usage at the end;
 * a :class:`qos.capacity.Capacity` (given, or a :class:`qos.capacity.LocalCapacity` of
   the policy's ``max_inflight`` / ``max_inflight_tokens``): whether the chosen request
-  has room now, and where.
+  has room now, and where;
+* :class:`qos.accounts.UserAccounts`: the users tracked, and the forgetting of idle ones
+  (per-user state is bounded by ``max_users``);
+* :mod:`qos.preemption`: who gives way (the queued request a full queue evicts, the
+  request in flight a waiting head preempts); :mod:`qos.slot_holds`: freed slots kept
+  for the user they are owed to (``hold_slot_s``); :mod:`qos.deadlines`: queue
+  timeouts; :mod:`qos.refusals`: the refusals' words; :mod:`qos.scheduler_status`: the
+  views for status pages.
 
-Order of service when there is room:
+Order of service when there is room (:meth:`Scheduler._candidates`,
+:meth:`Scheduler._dispatch`):
 
 1. a class with ``min_share`` > 0 that has work waiting and whose decayed share of
    dispatched cost is below its ``min_share`` (the largest deficit first);
 2. otherwise the highest-priority class with work waiting (strict priority);
 3. inside the class, the backlogged user with the smallest key (:mod:`qos.fair_queue`).
 
-A full global queue makes room by evicting the newest request of the class served last
-in that order (a class under its floor first of all, the others by priority), if it
-ranks below the newcomer's: a class under its floor is never evicted, and its own
-newcomers may evict from higher classes that are not under theirs.
-
-Preemption (:meth:`Scheduler.preempt`, driven by the caller's timer at
-:meth:`Scheduler.preempt_at`): a head that has waited a bound and does not fit may take
-the room of one request in flight of a lower class that has shown its client nothing
-(:attr:`Ticket.shown`), the lowest class's newest first, at most a bound of times per
-request; that request goes back to the head of its queue with every charge refunded
-(:meth:`Scheduler.requeue`).
-
 A head that does not fit the capacity waits for room and holds back the classes *below*
 its own (so priority is never inverted), never those above it: a ``min_share`` class
 whose head does not fit lets a higher class's head go if that one fits. A request whose
 reservation could never fit is refused at submit (``TOO_LARGE``).
 
-Per-user state is bounded: a user with nothing queued or in flight is forgotten after
-``policy.forget_users_after_s`` (at the next new user's submit, or when the caller calls
-:meth:`Scheduler.forget_idle` at :meth:`Scheduler.next_forget_at`), and beyond ``policy.max_users`` the users idle longest
-are forgotten first, so at most ``max(max_users, users with requests queued or in
-flight)`` are tracked (:attr:`Scheduler.users_forgotten` counts the forgotten).
+What a request costs its user (the counter update, :mod:`qos.fair_queue`): at dispatch
+its expected cost is charged as *pending* (:meth:`Scheduler._admit`); output is
+*confirmed* as it streams, the pending part shrinking by as much
+(:meth:`Scheduler.record_output`); at the end the real counts replace the estimate and
+nothing stays pending (:meth:`Scheduler.release`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, KeysView
 
+from . import refusals, scheduler_status
+from .accounts import UserAccounts, place
 from .capacity import Capacity, LocalCapacity
+from .deadlines import Deadlines
 from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
 from .policy import MAX_CHOICES, GroupPolicy, SchedulerPolicy, UserPolicy, clamp_count
+from .preemption import blocked_head, evictee, restart, victim
 from .rate_limit import RateLimiter
-from .slot_holds import SlotHolds
-from .usage_model import UsageModel
+from .slot_holds import SlotHolds, held_before, owed_slot
 from .ticket import RefusalReason, Refused, Ticket, TicketState
+from .usage_model import UsageModel
 
 Clock = Callable[[], float]
-ACTIVE_SERVICE = 1e-3  # recent service (token units) below which an idle user counts as inactive
 TicketCallback = Callable[[Ticket], None]
 ServiceCallback = Callable[[str, float], None]
 
@@ -125,344 +128,20 @@ class Scheduler:
         self._seq = 0
         self._queues: dict[str, FairQueue] = {}
         self._order: list[FairQueue] = []
-        self._accounts: dict[str, UserAccount] = {}
-        self._idle: OrderedDict[str, float] = OrderedDict()  # user -> clock when it went idle
+        self._accounts = UserAccounts(self._forgotten)
         self._shares = GroupShares(policy.share_window_s, clock)  # for min_share
         self._usage = UsageModel()  # what each user's requests are expected to cost
         self._holds = SlotHolds()  # freed slots kept for the user they are owed to (hold_slot_s)
         self._rank: dict[str, int] = {}  # class -> priority index
-        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self._deadlines = Deadlines()
         self.inflight: set[Ticket] = set()
         self._inflight_by_group: dict[str, int] = {}  # requests in flight per class (ticket.group)
         self._busy_at: dict[str, float] = {}  # class -> when it last had work or was turned away
         self.queued = 0
         self.closed = False
-        self.users_forgotten = 0
         self._apply(policy)
 
-    # ----------------------------------------------------------------- policy
-
-    def _apply(self, policy: SchedulerPolicy) -> None:
-        self.policy = policy
-        old = self._queues
-        # (an empty FairQueue is falsy: test membership, or an idle class loses its vtime)
-        self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
-        self._order = [self._queues[g.name] for g in policy.groups]
-        self._rank = {g.name: i for i, g in enumerate(policy.groups)}
-        if policy.hold_slot_s <= 0:
-            self._holds.clear()
-        self.capacity_model.configure(policy)
-        if self._owns_limiter:
-            self.rate_limiter.max_buckets = 2 * policy.max_users + 64
-        self._shares.configure(self._queues, policy.share_window_s)
-        self._busy_at = {k: v for k, v in self._busy_at.items() if k in self._queues}
-        # every user takes the class and weight the new policy gives it, at once, its
-        # queued requests included (one rule for moved, re-weighted and removed users)
-        for acct in sorted(self._accounts.values(), key=_first_seq):
-            requested = acct.requested_group if acct.requested_group in self._queues else None
-            self._place(acct, old.get(acct.group), policy.user(acct.user_id, requested))
-        self._trim(policy.max_users)
-        # a queued request that can no longer ever fit (max_inflight_tokens lowered)
-        # would block its class's head for good: refuse it now
-        for q in self._order:
-            for t in q.tickets():
-                if not self.capacity_model.admissible(t.reserved_tokens):
-                    self._refuse_queued(t, self._too_large(t.reserved_tokens))
-
-    def update_policy(self, policy: SchedulerPolicy) -> None:
-        """Swap in a new policy atomically.
-
-        Counters and rate-limit buckets carry over. Every user takes the class and
-        weight the new policy gives it at once, its queued requests with it, placed at
-        the same position relative to the new class's virtual time (a weight change
-        scales that position so its cost is kept); a user no longer listed takes its
-        new class (the default one) the same way. Requests in flight are untouched. A
-        larger ``max_inflight`` dispatches waiting requests at once; a smaller one lets
-        the surplus in flight finish. A queued request whose reservation can no longer
-        fit a lowered ``max_inflight_tokens`` is refused (``TOO_LARGE``); nothing else
-        is refused by a policy change.
-        """
-        self._apply(policy)
-        self._dispatch()
-
-    @property
-    def capacity(self) -> int:
-        """Requests allowed in flight now (the capacity model's slots)."""
-        return self.capacity_model.slots
-
-    @property
-    def inflight_tokens(self) -> int:
-        """Sum of the reservations of the requests in flight (tokens)."""
-        return self.capacity_model.inflight_tokens
-
-    def set_capacity_limit(self, limit: int | None) -> None:
-        """Lower the requests allowed in flight below ``policy.max_inflight`` for as long
-        as an outside signal says so (the engine reporting itself saturated), or lift the
-        limit with ``None``. The limit survives :meth:`update_policy`.
-
-        Nothing is refused or preempted: requests in flight finish, queued ones wait
-        (their queue timeout still runs). A limit of 1 dispatches one request whenever
-        nothing is in flight, so no limit can stall the queue for good. Raising or lifting
-        the limit dispatches waiting requests at once.
-
-        Raises:
-            ValueError: ``limit`` is below 1.
-        """
-        self.capacity_model.set_limit(limit)
-        self._dispatch()
-
-    def dispatch(self) -> None:
-        """Dispatch what fits now; for a capacity model whose room grew outside the
-        scheduler's own calls (a lease granted, an engine back)."""
-        self._dispatch()
-
-    # ---------------------------------------------------------------- accounts
-
-    def _place(self, acct: UserAccount, src: FairQueue | None, up: UserPolicy) -> None:
-        """Put ``acct`` (a member of ``src``) in class ``up.group`` with weight
-        ``up.weight``, its queued tickets with it, keeping its position relative to the
-        class's virtual time (scaled by the weight ratio, so its lead or lag in cost is
-        kept). Nothing to do when both are unchanged."""
-        dst = self._queues[up.group]
-        if src is dst and acct.weight == up.weight:
-            return
-        tickets: list[Ticket] = []
-        relative: float | None = None
-        if src is not None:
-            tickets, relative = src.leave(acct)
-            if tickets:
-                self._busy_at[src.name] = self._clock()
-            if acct.weight > 0 and up.weight > 0:
-                relative *= acct.weight / up.weight
-            elif up.weight > 0:
-                relative = None  # from weight 0: no position to keep, placed at the virtual time
-        acct.weight = up.weight
-        dst.join(acct, relative)
-        for t in tickets:
-            t.group = dst.name
-            dst.push(t, acct, lift=False)
-
-    def _account(self, user_id: str, requested: str | None, up: UserPolicy, now: float) -> UserAccount:
-        acct = self._accounts.get(user_id)
-        if acct is None:
-            self._forget_idle(now)
-            self._trim(self.policy.max_users - 1)
-            acct = self._accounts[user_id] = UserAccount(user_id, up.weight, recent_at=now)
-            self._queues[up.group].join(acct)
-        else:
-            self._idle.pop(user_id, None)
-            self._place(acct, self._queues[acct.group], up)
-        acct.requested_group = requested
-        return acct
-
-    def _forget_idle(self, now: float) -> None:
-        """Forget users idle (nothing queued or in flight) longer than the window;
-        amortized O(1): each idle user is looked at once."""
-        idle = self._idle
-        horizon = now - self.policy.forget_users_after_s
-        while idle:
-            uid, since = next(iter(idle.items()))
-            if since > horizon:
-                break
-            self._forget(uid)
-
-    def forget_idle(self) -> int:
-        """Forget now every user idle longer than ``policy.forget_users_after_s`` (a
-        caller's timer, armed for :meth:`next_forget_at`, calls this so idle users go on
-        time without waiting for a new user's submit). Returns how many were forgotten.
-        Amortized O(1) per forgotten user."""
-        before = self.users_forgotten
-        self._forget_idle(self._clock())
-        return self.users_forgotten - before
-
-    def next_forget_at(self) -> float | None:
-        """Clock reading at which the user idle longest is due to be forgotten
-        (:meth:`forget_idle`), or ``None`` when no user is idle. O(1)."""
-        for since in self._idle.values():  # the oldest first: users go idle in clock order
-            return since + self.policy.forget_users_after_s
-        return None
-
-    def _trim(self, most: int) -> None:
-        """Forget the users idle longest until at most ``most`` are tracked or no idle
-        user is left (users with requests queued or in flight are never forgotten)."""
-        while len(self._accounts) > most and self._idle:
-            self._forget(next(iter(self._idle)))
-
-    def _forget(self, user_id: str) -> None:
-        acct = self._accounts.pop(user_id)
-        self._idle.pop(user_id, None)
-        q = self._queues.get(acct.group)
-        if q is not None:
-            q.members.pop(user_id, None)
-        self._usage.forget(user_id)
-        self.users_forgotten += 1
-
-    def _maybe_idle(self, acct: UserAccount) -> None:
-        if not acct.queue and acct.inflight == 0:
-            self._idle[acct.user_id] = self._clock()
-            self._idle.move_to_end(acct.user_id)
-            self._trim(self.policy.max_users)
-
-    # ------------------------------------------------------------------ submit
-
-    def submit(
-        self,
-        user_id: str,
-        group: str | None,
-        prompt_tokens: int,
-        max_output_tokens: int | None,
-        *,
-        choices: int = 1,
-        output_ceiling: int | None = None,
-    ) -> Ticket:
-        """Ask for admission of one request.
-
-        Args:
-            user_id: the user (from identity resolution).
-            group: a class chosen per request by a trusted source, or ``None`` for the
-                one the policy gives the user (a listed user's own class always wins).
-                The user's account, queued requests included, moves to the class of
-                its latest request.
-            prompt_tokens: estimated prompt length (tokens, >= 0).
-            max_output_tokens: the request's ``max_tokens`` (per choice), or ``None``
-                for the cost model's default. Only a reservation: clamped to the cost
-                model's ``max_tokens_ceiling`` (and ``output_ceiling``), never a cost.
-            choices: the output multiplier (``max(n, best_of)``), clamped to
-                ``[1, MAX_CHOICES]``.
-            output_ceiling: a tighter per-request output ceiling (tokens per choice),
-                e.g. the serving engine's context length when the caller knows it.
-
-        Returns:
-            The ticket, in state ADMITTED (``on_admit`` has been called) or QUEUED.
-
-        Raises:
-            Refused: its reservation can never fit the capacity (TOO_LARGE), rate limited
-                (RATE_LIMITED; ``scope`` and ``limit`` name the bucket that needs the
-                longest wait), queues full (QUEUE_FULL, GROUP_QUEUE_FULL), or the
-                scheduler is closed (SHUTDOWN). A refused request consumes nothing.
-        """
-        policy = self.policy
-        now = self._clock()
-        if self.closed:
-            raise Refused(RefusalReason.SHUTDOWN, 1.0, "the server is shutting down")
-        up = policy.user(user_id, group)
-        rank = policy.group_index(up.group)
-        gpol = policy.groups[rank]
-        prompt = clamp_count(prompt_tokens)
-        choices = max(1, min(int(choices), MAX_CHOICES))
-        out = policy.cost.reserve_output(max_output_tokens, choices, output_ceiling)
-        reserved = prompt + out
-        if not self.capacity_model.admissible(reserved):
-            raise self._too_large(reserved)
-        wait, scope, limit = self.rate_limiter.tripped(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
-        if wait > 0:
-            whose = f"user {user_id!r}" if scope == "user" else f"group {gpol.name!r} (all its users together)"
-            raise Refused(RefusalReason.RATE_LIMITED, wait, f"rate limit exceeded: the {limit} of {whose}", scope=scope, limit=limit)
-
-        queue = self._queues[up.group]
-        if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(reserved):
-            self._busy_at[gpol.name] = now
-            raise Refused(
-                RefusalReason.GROUP_QUEUE_FULL,
-                self._retry_hint(),
-                f"the queue of group {gpol.name!r} is full ({gpol.max_queue} waiting)",
-            )
-        if self.queued >= policy.max_queue and not self._can_dispatch_now(reserved):
-            try:
-                self._evict_for(rank)
-            except Refused:
-                self._busy_at[gpol.name] = now  # turned away for room: demand, not absence
-                raise
-
-        self._seq += 1
-        ticket = Ticket(
-            seq=self._seq,
-            user_id=user_id,
-            group=up.group,
-            prompt_tokens=prompt,
-            max_output_tokens=out,
-            enqueued_at=now,
-            deadline=now + policy.queue_timeout_s,
-            choices=choices,
-        )
-        ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
-        acct = self._account(user_id, group, up, now)
-        if gpol.min_share > 0 and not len(queue) and not self._inflight_by_group.get(gpol.name):
-            # it starts waiting again after an absence: credited its share for the time
-            # away (no banked credit). A class with requests in flight, or turned away
-            # for want of queue room, has not been away.
-            self._shares.lift(gpol.name, gpol.min_share, now - self._busy_at.get(gpol.name, -math.inf))
-        queue.push(ticket, acct)
-        self.queued += 1
-        dl = self._deadlines
-        heapq.heappush(dl, (ticket.deadline, ticket.seq, ticket))
-        if len(dl) > 2 * self.queued + 1024:
-            # entries of tickets no longer queued are dropped lazily from the top only;
-            # compact now and then so they cannot pile up (amortized O(1) per submit)
-            self._deadlines = [e for e in dl if e[2].state is TicketState.QUEUED]
-            heapq.heapify(self._deadlines)
-        self._dispatch()
-        return ticket
-
-    def _too_large(self, reserved: int) -> Refused:
-        cap = getattr(self.capacity_model, "max_inflight_tokens", None)
-        limit = f" (admission.max_inflight_tokens is {cap})" if cap is not None else ""
-        return Refused(
-            RefusalReason.TOO_LARGE,
-            1.0,
-            f"the request reserves {reserved} tokens (prompt + max_tokens x choices), more than can ever be in flight{limit}; lower max_tokens",
-        )
-
-    def _can_dispatch_now(self, tokens: int) -> bool:
-        """Whether a new request would be dispatched immediately (then queue bounds do
-        not apply: it never waits)."""
-        return self.queued == 0 and self.capacity_model.fits(tokens)
-
-    def _under_floor(self, idx: int) -> bool:
-        """Whether class index ``idx`` has a ``min_share`` and its decayed share is at or
-        below it (then it is owed: it ranks first, for dispatch and for eviction)."""
-        gpol = self.policy.groups[idx]
-        return gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)
-
-    def _evict_for(self, priority: int) -> None:
-        """Make room for a request of class index ``priority`` by evicting the newest
-        waiting request of the class that would be served last, if that class ranks
-        below the newcomer's in the order of service.
-
-        The order is the dispatch order: a class at or under its ``min_share`` floor
-        ranks first (it is owed), the others by priority. So a newcomer evicts from the
-        lowest class below it that is not under its floor, and a newcomer whose own class
-        is under its floor may also evict from the lowest class above it that is not (a
-        floor class cannot be kept below its floor by higher classes filling the queue).
-        A class under its floor is never evicted. Raises QUEUE_FULL if there is no such
-        class."""
-        order = range(len(self._order) - 1, priority, -1)
-        if self._under_floor(priority):
-            order = [*order, *range(priority - 1, -1, -1)]
-        for idx in order:
-            q = self._order[idx]
-            if not len(q) or self._under_floor(idx):
-                continue  # a class at or under its floor keeps its requests
-            victim = q.newest()
-            assert victim is not None
-            if idx > priority:
-                why = f"evicted from the queue by a request of higher priority (group {victim.group!r})"
-            else:
-                why = f"evicted from the queue by a request of a group below its min_share (group {victim.group!r})"
-            self._refuse_queued(victim, Refused(RefusalReason.EVICTED, self._retry_hint(), why))
-            return
-        raise Refused(
-            RefusalReason.QUEUE_FULL,
-            self._retry_hint(),
-            f"the admission queue is full ({self.policy.max_queue} waiting)",
-        )
-
-    def _retry_hint(self) -> float:
-        """A Retry-After guess (seconds): the queue timeout scaled by how full the queue is,
-        at least 1 s."""
-        return max(1.0, min(self.policy.queue_timeout_s, 1.0 + self.queued / max(1, self.policy.max_inflight)))
-
-    # ---------------------------------------------------------------- dispatch
+    # ------------------------------------------- the core: who goes next, what it costs
 
     def _candidates(self) -> list[FairQueue]:
         """The classes whose head may go next, in the order to try: the ``min_share``
@@ -479,8 +158,9 @@ class Scheduler:
         return [top]
 
     def _dispatch(self) -> None:
-        cap = self.capacity_model
-        holds = self._holds
+        """Admit heads while there is room, trying :meth:`_candidates` in order; a head
+        waits while the free slots are held for users who rank before it."""
+        cap, holds = self.capacity_model, self._holds
         if holds:
             holds.prune(self._clock())
         # occupied, not inflight: a higher class may have room while the engines hold
@@ -491,7 +171,7 @@ class Scheduler:
                 head = queue.peek(self._accounts)
                 assert head is not None
                 free = cap.slots - cap.inflight  # <= 0 while a lower class's excess drains: no slot to keep
-                if holds and free > 0 and self._held_from(head[1]) >= free:
+                if holds and free > 0 and held_before(holds, head[1], self._rank, self._accounts) >= free:
                     continue  # the free slots are kept for users who rank before it
                 if cap.reserve(head[0]):
                     self._admit(queue, *head)
@@ -500,14 +180,15 @@ class Scheduler:
                 return
 
     def _admit(self, queue: FairQueue, ticket: Ticket, acct: UserAccount) -> None:
-        policy = self.policy
+        """Dispatch ``queue``'s head ``ticket`` (room reserved): its user is charged its
+        expected cost as pending, and its class's share as much."""
+        cost = self.policy.cost
         queue.pop(self._accounts)
         self.queued -= 1
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = self._clock()
         self.inflight.add(ticket)
         self._inflight_by_group[ticket.group] = self._inflight_by_group.get(ticket.group, 0) + 1
-        cost = policy.cost
         ticket.expected_prompt, ticket.expected_output = self._usage.expected(ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens)
         ticket.speculative = not self._usage.knows(ticket.user_id)
         ticket.confirmed = 0.0
@@ -518,35 +199,6 @@ class Scheduler:
         ticket.share_charged = ticket.pending
         self._shares.add(ticket.group, ticket.pending)
         self._on_admit(ticket)
-
-    # ------------------------------------------------------------- lifecycle
-
-    def _refuse_queued(self, ticket: Ticket, refusal: Refused, notify: bool = True) -> None:
-        acct = self._accounts[ticket.user_id]
-        self._queues[acct.group].remove(ticket, acct)
-        self._busy_at[acct.group] = self._clock()
-        self.queued -= 1
-        ticket.state = TicketState.REFUSED
-        ticket.refusal = refusal
-        self.rate_limiter.refund(ticket.rate, self._clock())  # never served: consumes nothing
-        self._maybe_idle(acct)
-        if notify:
-            self._on_refuse(ticket)
-
-    def cancel(self, ticket: Ticket, reason: RefusalReason = RefusalReason.CANCELLED) -> bool:
-        """Withdraw a QUEUED ticket (client gone, or the caller's own timeout); its rate
-        limit reservation is refunded in full.
-
-        Returns True if it was waiting and is now REFUSED (``on_refuse`` is *not* called:
-        the caller already knows); False if it was not waiting (then, if ADMITTED, the
-        caller must :meth:`release` it).
-        """
-        if ticket.state is not TicketState.QUEUED:
-            return False
-        wait = self._clock() - ticket.enqueued_at
-        self._refuse_queued(ticket, Refused(reason, self._retry_hint(), f"{reason.value} after {wait:.3f} s in the queue"), notify=False)
-        self._dispatch()  # the head of a blocked class may have changed
-        return True
 
     def record_output(self, ticket: Ticket, output_tokens: int) -> None:
         """Report that ``ticket`` has produced ``output_tokens`` so far (cumulative).
@@ -604,62 +256,270 @@ class Scheduler:
         self._queues[acct.group].charge(acct, confirmed, pending, pending if ticket.speculative else 0.0)
         if confirmed and self.on_service is not None:
             self.on_service(ticket.user_id, confirmed)
-        window = self.policy.share_window_s
-        acct.recent = acct.recent * math.exp(-max(0.0, now - acct.recent_at) / window) + actual
-        acct.recent_at = now
+        scheduler_status.add_recent(acct, actual, now, self.policy.share_window_s)
         # the class's share (min_share) is trued up too, or an error of the estimate at
         # dispatch would count as service the class never got (or did not pay for)
         self._shares.add(ticket.group, actual - ticket.share_charged, ticket.admitted_at)
         ticket.share_charged = actual
         self._usage.learn(ticket.user_id, ticket.prompt_tokens, prompt, ticket.max_output_tokens, out)
         self.rate_limiter.settle(ticket.rate, prompt + out, now)
-        self._maybe_idle(acct)
+        self._accounts.maybe_idle(acct, now, self.policy.max_users)
         self._hold_freed_slot(acct, now)
         self._dispatch()
         return True
 
-    # ------------------------------------------------------------ slot holds
+    # ------------------------------------------------------------------ submit
+
+    def submit(
+        self,
+        user_id: str,
+        group: str | None,
+        prompt_tokens: int,
+        max_output_tokens: int | None,
+        *,
+        choices: int = 1,
+        output_ceiling: int | None = None,
+    ) -> Ticket:
+        """Ask for admission of one request.
+
+        Args:
+            user_id: the user (from identity resolution).
+            group: a class chosen per request by a trusted source, or ``None`` for the
+                one the policy gives the user (a listed user's own class always wins).
+                The user's account, queued requests included, moves to the class of
+                its latest request.
+            prompt_tokens: estimated prompt length (tokens, >= 0).
+            max_output_tokens: the request's ``max_tokens`` (per choice), or ``None``
+                for the cost model's default. Only a reservation: clamped to the cost
+                model's ``max_tokens_ceiling`` (and ``output_ceiling``), never a cost.
+            choices: the output multiplier (``max(n, best_of)``), clamped to
+                ``[1, MAX_CHOICES]``.
+            output_ceiling: a tighter per-request output ceiling (tokens per choice),
+                e.g. the serving engine's context length when the caller knows it.
+
+        Returns:
+            The ticket, in state ADMITTED (``on_admit`` has been called) or QUEUED.
+
+        Raises:
+            Refused: its reservation can never fit the capacity (TOO_LARGE), rate limited
+                (RATE_LIMITED; ``scope`` and ``limit`` name the bucket that needs the
+                longest wait), queues full (QUEUE_FULL, GROUP_QUEUE_FULL), or the
+                scheduler is closed (SHUTDOWN). A refused request consumes nothing.
+        """
+        policy = self.policy
+        now = self._clock()
+        if self.closed:
+            raise refusals.shutdown()
+        up, rank, prompt, choices, out = self._size(user_id, group, prompt_tokens, max_output_tokens, choices, output_ceiling)
+        gpol = policy.groups[rank]
+        reserved = prompt + out
+        if not self.capacity_model.admissible(reserved):
+            raise self._too_large(reserved)
+        wait, scope, limit = self.rate_limiter.tripped(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
+        if wait > 0:
+            raise refusals.rate_limited(user_id, gpol.name, wait, scope, limit)
+        queue = self._queues[up.group]
+        if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(reserved):
+            self._busy_at[gpol.name] = now
+            raise refusals.group_queue_full(gpol.name, gpol.max_queue, self._retry_hint())
+        if self.queued >= policy.max_queue and not self._can_dispatch_now(reserved):
+            found = evictee(self._order, rank, self._under_floor)
+            if found is None:
+                self._busy_at[gpol.name] = now  # turned away for room: demand, not absence
+                raise refusals.queue_full(policy.max_queue, self._retry_hint())
+            idx, evicted = found
+            self._refuse_queued(evicted, refusals.evicted(evicted.group, idx > rank, self._retry_hint()))
+
+        self._seq += 1
+        ticket = Ticket(
+            seq=self._seq, user_id=user_id, group=up.group, prompt_tokens=prompt, max_output_tokens=out,
+            enqueued_at=now, deadline=now + policy.queue_timeout_s, choices=choices,
+        )  # fmt: skip
+        ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
+        acct = self._account(user_id, group, up, now)
+        if gpol.min_share > 0 and not len(queue) and not self._inflight_by_group.get(gpol.name):
+            # it starts waiting again after an absence: credited its share for the time
+            # away (no banked credit). A class with requests in flight, or turned away
+            # for want of queue room, has not been away.
+            self._shares.lift(gpol.name, gpol.min_share, now - self._busy_at.get(gpol.name, -math.inf))
+        queue.push(ticket, acct)
+        self.queued += 1
+        self._deadlines.add(ticket, self.queued)
+        self._dispatch()
+        return ticket
+
+    def _size(
+        self, user_id: str, group: str | None, prompt_tokens: int, max_output_tokens: int | None, choices: int, output_ceiling: int | None
+    ) -> tuple[UserPolicy, int, int, int, int]:
+        """A request's user policy, class index, prompt tokens, output multiplier and
+        reserved output tokens (:meth:`submit`'s arguments, clamped)."""
+        policy = self.policy
+        up = policy.user(user_id, group)
+        choices = max(1, min(int(choices), MAX_CHOICES))
+        out = policy.cost.reserve_output(max_output_tokens, choices, output_ceiling)
+        return up, policy.group_index(up.group), clamp_count(prompt_tokens), choices, out
+
+    def _can_dispatch_now(self, tokens: int) -> bool:
+        """Whether a new request would be dispatched immediately (then queue bounds do
+        not apply: it never waits)."""
+        return self.queued == 0 and self.capacity_model.fits(tokens)
+
+    def _too_large(self, reserved: int) -> Refused:
+        return refusals.too_large(reserved, getattr(self.capacity_model, "max_inflight_tokens", None))
+
+    def _retry_hint(self) -> float:
+        return refusals.retry_hint(self.policy.queue_timeout_s, self.queued, self.policy.max_inflight)
+
+    def _under_floor(self, idx: int) -> bool:
+        """Whether class index ``idx`` has a ``min_share`` and its decayed share is at or
+        below it (then it is owed: it ranks first, for dispatch and for eviction)."""
+        gpol = self.policy.groups[idx]
+        return gpol.min_share > 0 and self._shares.share(gpol.name) < gpol.min_share * (1 + 1e-9)
+
+    def cancel(self, ticket: Ticket, reason: RefusalReason = RefusalReason.CANCELLED) -> bool:
+        """Withdraw a QUEUED ticket (client gone, or the caller's own timeout); its rate
+        limit reservation is refunded in full.
+
+        Returns True if it was waiting and is now REFUSED (``on_refuse`` is *not* called:
+        the caller already knows); False if it was not waiting (then, if ADMITTED, the
+        caller must :meth:`release` it).
+        """
+        if ticket.state is not TicketState.QUEUED:
+            return False
+        waited = self._clock() - ticket.enqueued_at
+        self._refuse_queued(ticket, refusals.withdrawn(reason, waited, self._retry_hint()), notify=False)
+        self._dispatch()  # the head of a blocked class may have changed
+        return True
+
+    # ------------------------------------------------------------------ policy
+
+    def _apply(self, policy: SchedulerPolicy) -> None:
+        self.policy = policy
+        old = self._queues
+        # (an empty FairQueue is falsy: test membership, or an idle class loses its vtime)
+        self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
+        self._order = [self._queues[g.name] for g in policy.groups]
+        self._rank = {g.name: i for i, g in enumerate(policy.groups)}
+        if policy.hold_slot_s <= 0:
+            self._holds.clear()
+        self.capacity_model.configure(policy)
+        if self._owns_limiter:
+            self.rate_limiter.max_buckets = 2 * policy.max_users + 64
+        self._shares.configure(self._queues, policy.share_window_s)
+        self._busy_at = {k: v for k, v in self._busy_at.items() if k in self._queues}
+        # every user takes the class and weight the new policy gives it, at once, its
+        # queued requests included (one rule for moved, re-weighted and removed users)
+        for acct in self._accounts.by_first_request():
+            requested = acct.requested_group if acct.requested_group in self._queues else None
+            self._place(acct, old.get(acct.group), policy.user(acct.user_id, requested))
+        self._accounts.trim(policy.max_users)
+        # a queued request that can no longer ever fit (max_inflight_tokens lowered)
+        # would block its class's head for good: refuse it now
+        for q in self._order:
+            for t in q.tickets():
+                if not self.capacity_model.admissible(t.reserved_tokens):
+                    self._refuse_queued(t, self._too_large(t.reserved_tokens))
+
+    def update_policy(self, policy: SchedulerPolicy) -> None:
+        """Swap in a new policy atomically.
+
+        Counters and rate-limit buckets carry over. Every user takes the class and
+        weight the new policy gives it at once, its queued requests with it, placed at
+        the same position relative to the new class's virtual time (a weight change
+        scales that position so its cost is kept); a user no longer listed takes its
+        new class (the default one) the same way. Requests in flight are untouched. A
+        larger ``max_inflight`` dispatches waiting requests at once; a smaller one lets
+        the surplus in flight finish. A queued request whose reservation can no longer
+        fit a lowered ``max_inflight_tokens`` is refused (``TOO_LARGE``); nothing else
+        is refused by a policy change.
+        """
+        self._apply(policy)
+        self._dispatch()
+
+    @property
+    def capacity(self) -> int:
+        """Requests allowed in flight now (the capacity model's slots)."""
+        return self.capacity_model.slots
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Sum of the reservations of the requests in flight (tokens)."""
+        return self.capacity_model.inflight_tokens
+
+    def set_capacity_limit(self, limit: int | None) -> None:
+        """Lower the requests allowed in flight below ``policy.max_inflight`` for as long
+        as an outside signal says so (the engine reporting itself saturated), or lift the
+        limit with ``None``. The limit survives :meth:`update_policy`.
+
+        Nothing is refused or preempted: requests in flight finish, queued ones wait
+        (their queue timeout still runs). A limit of 1 dispatches one request whenever
+        nothing is in flight, so no limit can stall the queue for good. Raising or lifting
+        the limit dispatches waiting requests at once.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        self.capacity_model.set_limit(limit)
+        self._dispatch()
+
+    def dispatch(self) -> None:
+        """Dispatch what fits now; for a capacity model whose room grew outside the
+        scheduler's own calls (a lease granted, an engine back)."""
+        self._dispatch()
+
+    # ------------------------------------------------------------------- users
+
+    def _account(self, user_id: str, requested: str | None, up: UserPolicy, now: float) -> UserAccount:
+        """``user_id``'s account, opened in (or moved to) the class and weight ``up``
+        gives it; ``requested``: the class its request named, kept for reloads."""
+        acct = self._accounts.get(user_id)
+        if acct is None:
+            acct = self._accounts.open(user_id, up.weight, now, most=self.policy.max_users, forget_after_s=self.policy.forget_users_after_s)
+            self._queues[up.group].join(acct)
+        else:
+            self._accounts.busy(user_id)
+            self._place(acct, self._queues[acct.group], up)
+        acct.requested_group = requested
+        return acct
+
+    def _place(self, acct: UserAccount, src: FairQueue | None, up: UserPolicy) -> None:
+        if place(acct, src, self._queues[up.group], up.weight) and src is not None:
+            self._busy_at[src.name] = self._clock()  # its class had work until now
+
+    def _forgotten(self, acct: UserAccount) -> None:
+        q = self._queues.get(acct.group)
+        if q is not None:
+            q.members.pop(acct.user_id, None)
+        self._usage.forget(acct.user_id)
+
+    def forget_idle(self) -> int:
+        """Forget now every user idle longer than ``policy.forget_users_after_s`` (a
+        caller's timer, armed for :meth:`next_forget_at`, calls this so idle users go on
+        time without waiting for a new user's submit). Returns how many were forgotten.
+        Amortized O(1) per forgotten user."""
+        return self._accounts.forget_idle(self._clock(), self.policy.forget_users_after_s)
+
+    def next_forget_at(self) -> float | None:
+        """Clock reading at which the user idle longest is due to be forgotten
+        (:meth:`forget_idle`), or ``None`` when no user is idle. O(1)."""
+        return self._accounts.next_forget_at(self.policy.forget_users_after_s)
+
+    @property
+    def users_forgotten(self) -> int:
+        """Users forgotten since start (idle too long, or beyond ``max_users``)."""
+        return self._accounts.forgotten
+
+    # -------------------------------------------------------------- slot holds
 
     def _hold_freed_slot(self, released: UserAccount, now: float) -> None:
-        """Keep the slot a request of ``released`` just freed for ``policy.hold_slot_s``:
-        for ``released`` itself when it has nothing waiting and no user of its class
-        waits; when users of its class wait, for the most owed user of the class with
-        nothing waiting (``released``, or one with requests in flight ending, maybe, in
-        the same engine step: :meth:`FairQueue.most_owed_absent`) if it ranks before
-        every one of them. A closed-loop client has nothing waiting at the instant its
-        requests end, and on a batching engine requests started together end together:
-        without the hold, its share of the slots goes to whoever waits or comes first,
-        for a whole request's time (:mod:`qos.slot_holds`)."""
+        """Keep the slot a request of ``released`` just freed for ``policy.hold_slot_s``,
+        for the user :func:`qos.slot_holds.owed_slot` names."""
         hold_s = self.policy.hold_slot_s
         queue = self._queues.get(released.group)
-        if hold_s <= 0 or self.closed or queue is None:
-            return
-        head = queue.peek(self._accounts)
-        if head is None:
-            owed = released if released.weight > 0 and not released.queue else None
-        else:
-            owed = queue.most_owed_absent(released)
-            if owed is not None and head[1].weight > 0 and head[1].key <= owed.key:
-                return  # a user waiting ranks first: the slot is its
-        if owed is not None:
-            self._holds.hold(owed.user_id, now + hold_s)
-
-    def _held_from(self, acct: UserAccount) -> int:
-        """Slots kept for users who rank before ``acct`` (a head about to be served):
-        holds of users of a higher class, and of users of its class with a smaller key
-        (every holder ranks before a weight-0 user). O(holders)."""
-        rank = self._rank.get(acct.group, len(self._rank))
-        n = 0
-        for uid, count in self._holds.holders():
-            if uid == acct.user_id:
-                continue
-            holder = self._accounts.get(uid)
-            if holder is None:
-                continue
-            r = self._rank.get(holder.group, len(self._rank))
-            if r < rank or (r == rank and (acct.weight <= 0 or holder.key < acct.key)):
-                n += count
-        return n
+        if hold_s > 0 and not self.closed and queue is not None:
+            owed = owed_slot(queue, released, self._accounts)
+            if owed is not None:
+                self._holds.hold(owed.user_id, now + hold_s)
 
     def next_hold_end(self) -> float | None:
         """Clock reading at which the earliest slot hold ends (then :meth:`dispatch`
@@ -702,65 +562,11 @@ class Scheduler:
         queue = self._queues[acct.group]
         queue.charge(acct, -ticket.confirmed, -ticket.pending, -ticket.pending if ticket.speculative else 0.0)
         self._shares.add(ticket.group, -ticket.share_charged, ticket.admitted_at)
-        ticket.confirmed = ticket.pending = ticket.share_charged = 0.0
-        ticket.expected_prompt = ticket.expected_output = 0.0
-        ticket.speculative = False
-        ticket.output_tokens = 0
-        ticket.admitted_at = None
-        ticket.placement = None
-        ticket.group = acct.group
-        ticket.state = TicketState.QUEUED
-        ticket.preemptions += 1
-        ticket.enqueued_at = now
-        ticket.deadline = now + self.policy.queue_timeout_s
+        restart(ticket, acct.group, now, now + self.policy.queue_timeout_s)
         queue.push_front(ticket, acct)
         self.queued += 1
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.seq, ticket))
+        self._deadlines.add(ticket, self.queued)
         return True
-
-    def _blocked_head(self) -> tuple[int, FairQueue, Ticket, UserAccount] | None:
-        """The head strict priority serves next (the highest class with work waiting),
-        with its class index, when it does not fit now; else ``None``."""
-        for rank, queue in enumerate(self._order):
-            if len(queue):
-                head = queue.peek(self._accounts)
-                assert head is not None
-                if self.capacity_model.fits(head[0].reserved_tokens):
-                    return None
-                return rank, queue, head[0], head[1]
-        return None
-
-    def _victim(self, rank: int, head: Ticket, max_preemptions: int, eligible: Callable[[Ticket], bool] | None) -> Ticket | None:
-        """The request in flight to preempt for the head ``head`` of class index
-        ``rank``: of a class ranked below ``rank`` and not under its ``min_share``
-        floor, never shown to its client, preempted fewer than ``max_preemptions``
-        times, accepted by ``eligible`` (the caller's own test), and whose room alone
-        lets the head fit; the lowest class first, then the newest admitted. O(in flight
-        log in flight)."""
-        fits_without = getattr(self.capacity_model, "fits_without", None)
-        if fits_without is None:
-            return None
-        index = {g.name: i for i, g in enumerate(self.policy.groups)}
-        floors: dict[int, bool] = {}
-        cands = []
-        for t in self.inflight:
-            if t.shown or t.preemptions >= max_preemptions or (eligible is not None and not eligible(t)):
-                continue
-            # its class, and the one its user's queue is in now (a reload may have moved
-            # the user): both below the head's, so it never goes back ahead of the head
-            r = index.get(t.group)
-            acct = self._accounts.get(t.user_id)
-            if r is None or r <= rank or acct is None or index.get(acct.group, -1) <= rank:
-                continue
-            if r not in floors:
-                floors[r] = self._under_floor(r)
-            if not floors[r]:
-                cands.append((r, t.admitted_at or 0.0, t.seq, t))
-        cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
-        for *_k, t in cands:
-            if fits_without(head, t):
-                return t
-        return None
 
     def preempt_at(self, after_s: float) -> float | None:
         """Clock reading at which the head strict priority serves next will have waited
@@ -769,7 +575,7 @@ class Scheduler:
         O(classes). For a caller that arms a timer instead of polling."""
         if self.closed:
             return None
-        blocked = self._blocked_head()
+        blocked = blocked_head(self._order, self._accounts, self.capacity_model)
         if blocked is None:
             return None
         rank, _q, head, _a = blocked
@@ -781,11 +587,11 @@ class Scheduler:
         """Preempt lower-class work for a waiting head of higher priority.
 
         While the head strict priority serves next has waited at least ``after_s``
-        seconds and does not fit, the request :meth:`_victim` names (lower class,
-        shown nothing, preempted fewer than ``max_preemptions`` times, accepted by
-        ``eligible`` when given, its room enough)
-        is requeued (:meth:`requeue`) and the head is dispatched into its room at once;
-        then whatever else fits is dispatched. Stops at the first head with no victim.
+        seconds and does not fit, the request :func:`qos.preemption.victim` names
+        (lower class, shown nothing, preempted fewer than ``max_preemptions`` times,
+        accepted by ``eligible`` when given, its room enough) is requeued
+        (:meth:`requeue`) and the head is dispatched into its room at once; then
+        whatever else fits is dispatched. Stops at the first head with no victim.
 
         Returns:
             The preempted tickets, now QUEUED again (the caller aborts their upstream
@@ -795,17 +601,19 @@ class Scheduler:
         if self.closed or max_preemptions <= 0:
             return out
         while True:
-            blocked = self._blocked_head()
+            blocked = blocked_head(self._order, self._accounts, self.capacity_model)
             if blocked is None:
                 break
             rank, queue, head, acct = blocked
             if self._clock() - head.enqueued_at < after_s:
                 break
-            victim = self._victim(rank, head, max_preemptions, eligible)
-            if victim is None:
+            found = victim(
+                rank, head, self.inflight, self._rank, self._accounts, self._under_floor, self.capacity_model, max_preemptions, eligible
+            )  # fmt: skip
+            if found is None:
                 break
-            self.requeue(victim)
-            out.append(victim)
+            self.requeue(found)
+            out.append(found)
             if self.capacity_model.reserve(head):
                 self._admit(queue, head, acct)  # strict priority: the room is the head's
             else:  # pragma: no cover - fits_without said it would fit
@@ -813,6 +621,21 @@ class Scheduler:
         if out:
             self._dispatch()
         return out
+
+    # ------------------------------------------------- leaving the queue or flight
+
+    def _refuse_queued(self, ticket: Ticket, refusal: Refused, notify: bool = True) -> None:
+        acct = self._accounts[ticket.user_id]
+        now = self._clock()
+        self._queues[acct.group].remove(ticket, acct)
+        self._busy_at[acct.group] = now
+        self.queued -= 1
+        ticket.state = TicketState.REFUSED
+        ticket.refusal = refusal
+        self.rate_limiter.refund(ticket.rate, now)  # never served: consumes nothing
+        self._accounts.maybe_idle(acct, now, self.policy.max_users)
+        if notify:
+            self._on_refuse(ticket)
 
     def _leave_flight(self, ticket: Ticket, now: float) -> None:
         """Take ``ticket`` out of the requests in flight and give its room back (a
@@ -834,25 +657,16 @@ class Scheduler:
         """
         now = self._clock()
         out: list[Ticket] = []
-        dl = self._deadlines
-        while dl and (dl[0][2].state is not TicketState.QUEUED or dl[0][0] <= now):
-            _d, _s, t = heapq.heappop(dl)
-            if t.state is TicketState.QUEUED and _d == t.deadline:  # not a requeued ticket's old entry
-                self._refuse_queued(
-                    t,
-                    Refused(RefusalReason.TIMEOUT, self._retry_hint(), f"waited {now - t.enqueued_at:.1f} s in the queue"),
-                )
-                out.append(t)
+        for t in self._deadlines.due(now):
+            self._refuse_queued(t, refusals.timed_out(now - t.enqueued_at, self._retry_hint()))
+            out.append(t)
         if out:
             self._dispatch()
         return out
 
     def next_deadline(self) -> float | None:
         """Clock reading of the earliest queued deadline, or ``None`` when nothing waits."""
-        dl = self._deadlines
-        while dl and (dl[0][2].state is not TicketState.QUEUED or dl[0][0] != dl[0][2].deadline):
-            heapq.heappop(dl)
-        return dl[0][0] if dl else None
+        return self._deadlines.earliest()
 
     def close(self) -> list[Ticket]:
         """Stop admitting: refuse every queued ticket (SHUTDOWN) and every later submit.
@@ -863,7 +677,7 @@ class Scheduler:
         out: list[Ticket] = []
         for q in self._order:
             for t in q.tickets():
-                self._refuse_queued(t, Refused(RefusalReason.SHUTDOWN, 1.0, "the server is shutting down"))
+                self._refuse_queued(t, refusals.shutdown())
                 out.append(t)
         return out
 
@@ -896,35 +710,21 @@ class Scheduler:
         (prompt + reserved output, as :attr:`Ticket.reserved_tokens`). For a caller that
         reserves the limits elsewhere (a store shared by several processes) before
         submitting. Same arguments as :meth:`submit`; changes nothing."""
-        policy = self.policy
-        up = policy.user(user_id, group)
-        gpol = policy.groups[policy.group_index(up.group)]
-        choices = max(1, min(int(choices), MAX_CHOICES))
-        reserved = clamp_count(prompt_tokens) + policy.cost.reserve_output(max_output_tokens, choices, output_ceiling)
-        return up, gpol, reserved
+        up, rank, prompt, _choices, out = self._size(user_id, group, prompt_tokens, max_output_tokens, choices, output_ceiling)
+        return up, self.policy.groups[rank], prompt + out
 
     def class_loads(self) -> list[tuple[str, int, int, float]]:
         """Per class in priority order (highest first): ``(name, requests waiting,
         their reserved tokens, summed weight of the users with requests waiting)``.
         O(queued). For a capacity shared by several schedulers, which splits it by
         the demand each reports."""
-        out = []
-        for q in self._order:
-            tickets = q.tickets()
-            users = {t.user_id for t in tickets}
-            weight = 0.0
-            for uid in users:
-                acct = self._accounts.get(uid)
-                if acct is not None:
-                    weight += acct.weight
-            out.append((q.name, len(tickets), sum(t.reserved_tokens for t in tickets), weight))
-        return out
+        return scheduler_status.class_loads(self._order, self._accounts)
 
     def waiting_users(self) -> set[str]:
         """The users with requests waiting now. O(queued)."""
         return {t.user_id for q in self._order for t in q.tickets()}
 
-    # ------------------------------------------------------------- inspection
+    # -------------------------------------------------------------- inspection
 
     def queue_depths(self) -> dict[str, int]:
         """Waiting requests per class, in priority order."""
@@ -944,19 +744,14 @@ class Scheduler:
         """One user's fair-share state (JSON-ready), or ``None`` if not tracked:
         class, weight, counter, pending, key, requests queued and in flight."""
         a = self._accounts.get(user_id)
-        if a is None:
-            return None
-        return {
-            "user": a.user_id, "group": a.group, "weight": a.weight, "counter": a.counter, "pending": a.pending,
-            "key": a.key, "queued": len(a.queue), "inflight": a.inflight,
-        }  # fmt: skip
+        return None if a is None else scheduler_status.user_state(a)
 
     @property
     def users_tracked(self) -> int:
         """Users whose fair-share state is kept now."""
         return len(self._accounts)
 
-    def user_ids(self):
+    def user_ids(self) -> KeysView[str]:
         """The ids of the users tracked now (a live view: do not keep it across calls
         that submit or release)."""
         return self._accounts.keys()
@@ -968,70 +763,16 @@ class Scheduler:
         ``top_users`` users by recent service, and how many users are tracked in all;
         the slots held for a user's next request now, and the holds taken by it or
         expired unused since start (``hold_slot_s``). O(users tracked)."""
-        now = self._clock()
-        window = self.policy.share_window_s
-        inflight_by_group: dict[str, int] = {}
-        for t in self.inflight:
-            inflight_by_group[t.group] = inflight_by_group.get(t.group, 0) + 1
-
-        def recent(a: UserAccount) -> float:
-            return a.recent * math.exp(-max(0.0, now - a.recent_at) / window)
-
-        top = heapq.nlargest(max(0, top_users), self._accounts.values(), key=lambda a: (recent(a), len(a.queue) + a.inflight))
-        # per class: the recent service of all its users, and the weight of those active
-        # (served lately, waiting or in flight), so a user's share can be read against
-        # its weight share without listing every user
-        group_recent: dict[str, float] = {}
-        group_weight: dict[str, float] = {}
-        for a in self._accounts.values():
-            r = recent(a)
-            group_recent[a.group] = group_recent.get(a.group, 0.0) + r
-            if r > ACTIVE_SERVICE or a.queue or a.inflight:
-                group_weight[a.group] = group_weight.get(a.group, 0.0) + a.weight
-        return {
-            "inflight": len(self.inflight),
-            "capacity": self.capacity,
-            "inflight_tokens": self.inflight_tokens,
-            "queued": self.queued,
-            "groups": [
-                {
-                    "name": q.name,
-                    "queued": len(q),
-                    "inflight": inflight_by_group.get(q.name, 0),
-                    "virtual_time": q.vtime,
-                    "users": len(q.members),
-                    "recent_service": round(group_recent.get(q.name, 0.0), 3),
-                    "active_weight": group_weight.get(q.name, 0.0),
-                }
-                for q in self._order
-            ],
-            "users_total": len(self._accounts),
-            "users_forgotten": self.users_forgotten,
-            "held_slots": len(self._holds),
-            "holds_taken": self._holds.taken,
-            "holds_expired": self._holds.expired,
-            "users": [
-                {
-                    "user": a.user_id,
-                    "group": a.group,
-                    "weight": a.weight,
-                    "counter": a.counter,
-                    "pending": a.pending,
-                    "queued": len(a.queue),
-                    "inflight": a.inflight,
-                    "recent_service": round(recent(a), 3),
-                }
-                for a in top
-            ],
-        }
+        totals = {
+            "inflight": len(self.inflight), "capacity": self.capacity, "inflight_tokens": self.inflight_tokens,
+            "queued": self.queued, "users_forgotten": self.users_forgotten,
+        }  # fmt: skip
+        return scheduler_status.snapshot(
+            self._order, self._accounts, self.inflight, self._holds,
+            totals=totals, now=self._clock(), window_s=self.policy.share_window_s, top_users=top_users,
+        )  # fmt: skip
 
     def tickets_waiting(self) -> Iterable[Ticket]:
         """All queued tickets, highest class first, arrival order within a class."""
         for q in self._order:
             yield from q.tickets()
-
-
-def _first_seq(acct: UserAccount) -> int:
-    """Accounts with queued tickets in arrival order of their first one (so a reload
-    re-queues moved tickets in the order they came), idle accounts last."""
-    return next(iter(acct.queue)) if acct.queue else 1 << 62

@@ -14,16 +14,19 @@ to ask again (S. Iyer and P. Druschel, "Anticipatory scheduling: a disk scheduli
 framework to overcome deceptive idleness in synchronous I/O", SOSP 2001).
 
 :class:`SlotHolds` is the bookkeeping: each hold keeps one slot for one user until a
-deadline or until that user's next request is dispatched. Who gets a hold and who it
-blocks is the scheduler's rule (:class:`qos.Scheduler`, ``hold_slot_s`` in
-:class:`qos.SchedulerPolicy`).
+deadline or until that user's next request is dispatched. The rule is
+:func:`owed_slot` (who gets a hold) and :func:`held_before` (whom it blocks); the
+scheduler applies it for ``hold_slot_s`` of :class:`qos.SchedulerPolicy`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fair_queue import FairQueue, UserAccount
 
 
 class SlotHolds:
@@ -122,3 +125,43 @@ class SlotHolds:
         self._live.clear()
         self._skip.clear()
         self.total = 0
+
+
+def owed_slot(queue: FairQueue, released: UserAccount, accounts: dict[str, UserAccount]) -> UserAccount | None:
+    """The user the slot a request of ``released`` just freed is kept for, or ``None``
+    (the queue takes it): ``released`` itself when it has nothing waiting and no user of
+    its class (``queue``) waits; when users of its class wait, the most owed user of the
+    class with nothing waiting (``released``, or one with requests in flight ending,
+    maybe, in the same engine step: :meth:`qos.fair_queue.FairQueue.most_owed_absent`)
+    if it ranks before every one of them. ``accounts``: every user tracked, by id (for
+    :meth:`~qos.fair_queue.FairQueue.peek`). A closed-loop client has nothing waiting
+    at the instant its requests end, and on a batching engine requests started together
+    end together: without the hold, its share of the slots goes to whoever waits or
+    comes first, for a whole request's time (module docstring)."""
+    head = queue.peek(accounts)
+    if head is None:
+        return released if released.weight > 0 and not released.queue else None
+    owed = queue.most_owed_absent(released)
+    if owed is not None and head[1].weight > 0 and head[1].key <= owed.key:
+        return None  # a user waiting ranks first: the slot is its
+    return owed
+
+
+def held_before(holds: SlotHolds, acct: UserAccount, rank: Mapping[str, int], accounts: Mapping[str, UserAccount]) -> int:
+    """Slots ``holds`` keeps for users who rank before ``acct`` (a head about to be
+    served): holds of users of a higher class, and of users of its class with a smaller
+    key (every holder ranks before a weight-0 user). ``rank``: class name -> priority
+    index (0 highest); ``accounts``: every user tracked, by id. O(holders)."""
+    last = len(rank)
+    mine = rank.get(acct.group, last)
+    n = 0
+    for uid, count in holds.holders():
+        if uid == acct.user_id:
+            continue
+        holder = accounts.get(uid)
+        if holder is None:
+            continue
+        r = rank.get(holder.group, last)
+        if r < mine or (r == mine and (acct.weight <= 0 or holder.key < acct.key)):
+            n += count
+    return n
