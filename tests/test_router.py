@@ -13,7 +13,8 @@ import yaml
 from proxy.config.loading import parse_config
 from proxy.routing.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
 from proxy.config.pools import HealthConfig, PoolSpec
-from proxy.routing.router import NoEngineFits, PoolCapacity, PoolRouter, affinity_key, rendezvous_order
+from proxy.routing.placement import affinity_key, rendezvous_order
+from proxy.routing.router import NoEngineFits, PoolCapacity, PoolRouter
 from qos import Ticket
 from tests.conftest import base_config
 

@@ -4,7 +4,12 @@ an engine is fit to serve.
 * :mod:`.model_routing`: the ``model`` a request names picks its pool; the models list.
 * :mod:`.router`: :class:`~.router.PoolRouter`, a pool's capacity as its scheduler sees
   it (does the head of the queue fit? place it on the engine with the most room; free
-  it), and rerouting to another engine.
+  it), and rerouting to another engine; :class:`~.router.PoolCapacity`, its face to the
+  pool's :class:`qos.Scheduler`.
+* :mod:`.engine_state`: one engine as the router sees it (capacity, rotation, fit,
+  headroom, load, status row).
+* :mod:`.placement`: which of the engines that fit a request goes to (``least_headroom``,
+  ``round_robin``, affinity by rendezvous hashing).
 * :mod:`.engine_health`: when an engine leaves rotation and comes back (a pure state
   machine, and the task that sends its checks and probes), and the verdict one
   request's outcome is for its engine (:func:`~.engine_health.exchange_verdict`).

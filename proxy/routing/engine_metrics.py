@@ -143,6 +143,6 @@ def register(registry: CollectorRegistry, routers: Callable[[], Iterable[PoolRou
 
 
 def engines_status(routers: Iterable[PoolRouter]) -> list[dict]:
-    """Every engine of every pool, as :meth:`proxy.routing.router.EngineState.status` describes it:
+    """Every engine of every pool, as :meth:`proxy.routing.engine_state.EngineState.status` describes it:
     the ``engines`` list of ``/admin/status`` and of the dashboard (:mod:`proxy.api.dashboard_data`)."""
     return [s for r in routers for s in r.snapshot()]

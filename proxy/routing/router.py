@@ -1,88 +1,42 @@
 """The router: which engine of a pool serves a request, chosen when it is dispatched.
 
+(Over 400 lines, one concept: a pool's room, as :class:`PoolRouter` keeps it and the
+pool's scheduler asks for it through :class:`PoolCapacity`, a thin face of the router.)
+
 Bind late. A request waits in its pool's queue, where the scheduler orders it (strict
 priority, token-fair); it is given an engine only at dispatch, to the engine with the
 most headroom at that moment. :class:`PoolRouter` is the pool's capacity as the
 scheduler sees it: ``fits(ticket)`` (does some engine have room for the head of the
 queue?), ``reserve(ticket)`` (place it on the chosen engine) and ``release(ticket)``
 (free it), the same three questions ``admission.max_inflight`` /
-``max_inflight_tokens`` answered for one engine. It is pure: no I/O, no tasks; health
-comes from :mod:`proxy.routing.engine_health`, load readings from whoever polls them.
+``max_inflight_tokens`` answered for one engine; :class:`PoolCapacity` asks them for the
+pool's :class:`qos.Scheduler`. It is pure: no I/O, no tasks; health comes from
+:mod:`proxy.routing.engine_health`, load readings from whoever polls them.
 
-Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max output):
-
-* **capacity** ``cap(e) = min(found, max_inflight, limit, lease)``, where ``found`` is
-  what its capacity controller found (:mod:`qos.capacity_control`, stepped by the load
-  poller; ``max_inflight`` itself with ``admission.capacity.mode: fixed``), ``limit`` is
-  the capacity limit a fixed engine's load signal sets
-  (:func:`proxy.runtime.load_signal.capacity_for`: 1 while it reports itself saturated; absent when
-  there is none; an adaptive engine's controller reacts to the same reading), and ``lease`` is this
-  process's part of the engine when several replicas share it (granted through Redis:
-  :mod:`proxy.admission.lease_binding`; absent standalone). A lease may be 0, and a token lease
-  caps ``inflight_tokens + t`` (another replica's requests may be running there).
-* **in rotation**: healthy (not ejected) and not draining (removed by a reload).
-* **headroom of a class**: a request of a class with ``headroom`` h (the fraction of each
-  engine it leaves to the classes above it) fits only while
-  ``occupied(e) < room_for(cap(e), h)`` (:func:`qos.capacity.room_for`), so lower classes
-  never fill the last part of an engine and a higher class's request is dispatched at once.
-  ``occupied`` counts each class's requests on the engine up to its own room only: when
-  the capacity is cut below what a lower class already runs (the engine queued), that
-  class's excess drains as its requests end, but it does not take the room kept for the
-  classes above (measured on vLLM: a 10 % cut with bronze's streams filling its room left
-  platinum 2 slots, and its probes waited up to 15 s behind 128-token streams). What runs
-  then may pass ``cap(e)`` by that excess, at most one cut's worth.
-* **fits** ``e`` for ``t``: in rotation, ``inflight < cap(e)``, and, when
-  ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens``. No
-  exception for an idle engine: a request goes only to an engine whose token capacity
-  can hold it (one above every engine's is refused at submit, 400 ``request_too_large``:
-  :meth:`PoolCapacity.admissible`), so with engines of different token capacities a
-  request too large for a small one waits for a large one instead of filling the small
-  one while it is idle.
-* **headroom** ``h(e, t)``: the fraction of the engine still free once the request is
-  placed, the smallest of ``1 - (inflight + 1) / cap``, ``1 - (inflight_tokens + t) /
-  max_inflight_tokens`` (when set) and ``1 - load / saturated_at`` (when a fresh load
-  reading exists). Fractions, so engines of different sizes compare; after placing, so a
-  big engine is preferred to a small one equally loaded, and a large request to the
-  engine it dents least.
-* **saturated**: its load signal says so (it then fits only while nothing of ours runs
-  there, so the queue cannot stall behind an engine kept busy by someone else).
-
-``least_headroom`` (default) picks, among the engines that fit, the one with the largest
-``h``; exact ties go to the next engine in config order after the last one picked.
-``round_robin`` picks by smooth weighted round robin (nginx's algorithm) among the engines
-that fit. Never an engine that does not fit: a saturated, full, ejected or draining
-engine gets nothing while another fits.
-
-**Affinity** (optional, ``routing.affinity``): a key (a session header's value, or the
-prompt's first ``prefix_chars`` characters) ranks the engines by weighted rendezvous
-hashing (Thaler & Ravishankar, "Using name-based mappings to increase hit rates", 1998;
-weights as in Schindelhauer & Schomaker, 2005: score ``-weight / ln(u)``, ``u`` a hash of
-key and engine name in (0, 1)). Adding or removing an engine moves only the keys whose
-first choice it is, about ``1/n`` of them. The request goes to the first engine in that
-order that fits, is not saturated, and whose headroom is at least the best headroom minus
-``tolerance``; if none qualifies, the policy decides as without a key. Affinity breaks
-ties among engines with headroom; it never overrides saturation. No per-key state is kept,
-so hostile keys cannot grow memory; a client can steer only its own requests, and only
-among engines within ``tolerance`` of the best.
+What one engine's capacity, rotation, fit and headroom are: :mod:`.engine_state`. Which
+of the engines that fit is chosen (``least_headroom``, ``round_robin``, affinity):
+:mod:`.placement`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
 import time
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qos.capacity import occupied, room_for
 from qos.capacity_control import CapacityController
 from qos.capacity_control import fixed as fixed_capacity
 
-from .engine_health import EngineHealth, Health, max_passive_ejections
-from .engine_meter import EngineMeter
-from ..config.pools import EngineSpec, PoolSpec, RoutingConfig, public_url
+from .engine_health import EngineHealth, max_passive_ejections
+from .engine_state import EngineState
+from .placement import affinity_key, by_affinity, round_robin, within_lease
+from ..config.pools import PoolSpec
+
+# EngineState and affinity_key are defined in .engine_state and .placement; they are also
+# named here for the modules that import them from the router
+__all__ = ["Changes", "EngineState", "NoEngineFits", "PoolCapacity", "PoolRouter", "Reservable", "affinity_key"]
 
 
 class Reservable(Protocol):
@@ -96,234 +50,6 @@ class Reservable(Protocol):
 class NoEngineFits(LookupError):
     """:meth:`PoolRouter.reserve` was asked to place a request no engine has room for
     (the caller skipped :meth:`PoolRouter.fits`)."""
-
-
-@dataclass(eq=False)
-class EngineState:
-    """One engine as the router sees it. Identity-compared.
-
-    Attributes:
-        spec: its resolved config (:class:`proxy.config.pools.EngineSpec`).
-        health: its :class:`proxy.routing.engine_health.EngineHealth`.
-        inflight: requests placed on it and not released.
-        inflight_tokens: their reserved tokens.
-        draining: removed from the config by a reload; gets nothing new, leaves the pool
-            when its last request is released.
-        load: its last fresh load reading (KV fraction, 0..1), or ``None``.
-        waiting: requests waiting inside it, as last reported, or ``None``.
-        saturated: its load signal says it is saturated.
-        capacity_limit: the limit its load signal sets, or ``None``.
-        load_signal: the poller's state for it, as the dashboard shows it (``off``,
-            ``waiting``, ``ok``, ``stale``, ``no_signal``).
-        routed: requests placed on it since start (a metric).
-        client: its connections (a :class:`proxy.relay.upstream.Upstream`), set by the proxy.
-        control: its capacity controller (:class:`qos.capacity_control.CapacityController`),
-            stepped by its load poller (:mod:`proxy.runtime.load_signal`).
-        meter: what the proxy measures of its requests there (:class:`proxy.routing.engine_meter.EngineMeter`).
-    """
-
-    spec: EngineSpec
-    health: EngineHealth
-    inflight: int = 0
-    inflight_tokens: int = 0
-    held: dict[float, int] = field(default_factory=dict, repr=False)  # in flight by the headroom of its class
-    draining: bool = False
-    load: float | None = None
-    waiting: int | None = None
-    saturated: bool = False
-    capacity_limit: int | None = None
-    load_signal: str = "off"
-    routed: int = 0
-    client: Any = field(default=None, repr=False)
-    lease_slots: int | None = None
-    lease_tokens: int | None = None
-    control: CapacityController = field(default=None, repr=False)  # type: ignore[assignment]
-    meter: EngineMeter = field(default_factory=EngineMeter, repr=False)
-    _wrr: float = field(default=0.0, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.control is None:
-            spec = self.spec
-            self.control = CapacityController(spec.control) if spec.control is not None else fixed_capacity(spec.max_inflight)
-
-    @property
-    def baseline_ttft_s(self) -> float | None:
-        """Its time to first token with little load (seconds), as measured, or ``None``."""
-        return self.control.baseline_ttft_s
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def kind(self) -> str:
-        """``openai`` or ``lightllm``."""
-        return self.spec.kind
-
-    @property
-    def max_inflight(self) -> int:
-        """Its capacity in requests, all replicas together: :attr:`found_capacity` (the
-        configured ``max_inflight`` is its ceiling; the capacity leases share this out)."""
-        return self.found_capacity
-
-    @property
-    def max_inflight_tokens(self) -> int | None:
-        """Its configured capacity in reserved tokens, or ``None``."""
-        return self.spec.max_inflight_tokens
-
-    @property
-    def found_capacity(self) -> int:
-        """Requests the engine as a whole may run now, as its capacity controller found
-        (:mod:`qos.capacity_control`; ``max_inflight`` when fixed), lowered by an outside
-        limit (``capacity_limit``: a fixed capacity's load-signal hold,
-        :func:`proxy.runtime.load_signal.capacity_for`): what several replicas' leases share out
-        (:mod:`proxy.admission.lease_binding`)."""
-        cap = min(self.control.value, self.spec.max_inflight)
-        limit = self.capacity_limit
-        return cap if limit is None else max(1, min(limit, cap))
-
-    @property
-    def capacity(self) -> int:
-        """Requests it may run now: :attr:`found_capacity`, lowered by this process's
-        lease (the only thing that can make it 0) and by the controller's restart after
-        idle (:attr:`qos.capacity_control.CapacityController.usable`: this process's own
-        pace, never shared out)."""
-        cap = min(self.found_capacity, self.control.usable)
-        return cap if self.lease_slots is None else min(cap, self.lease_slots)
-
-    def configure(self, spec: EngineSpec) -> None:
-        """Take a reloaded ``spec``; the controller keeps what it found, clipped into the
-        new ceiling and floor (a switch between fixed and adaptive starts it anew)."""
-        old, self.spec = self.spec, spec
-        if spec.control is None:
-            if self.control.adaptive or self.control.value != spec.max_inflight:
-                self.control = fixed_capacity(spec.max_inflight)
-        elif not self.control.adaptive or old.control != spec.control:
-            if not self.control.adaptive:
-                self.control = CapacityController(spec.control)
-                return
-            self.control.configure(spec.control)
-            if old.control is None or old.control.initial != spec.control.initial:
-                # the operator named a new starting point (max_inflight): start there
-                self.control.limit = float(spec.control.initial)
-
-    def set_lease(self, slots: int | None, tokens: int | None) -> None:
-        """This process's part of the engine, in requests and reserved tokens (``None``:
-        the engine is this process's alone), as granted by the shared state
-        (:mod:`proxy.admission.lease_binding`). Lowering it lets the surplus finish; after raising
-        it, the pool's scheduler must dispatch."""
-        self.lease_slots, self.lease_tokens = slots, tokens
-
-    @property
-    def in_rotation(self) -> bool:
-        """Healthy and not draining."""
-        return self.health.state is Health.HEALTHY and not self.draining
-
-    def fits(self, tokens: int, headroom: float = 0.0) -> bool:
-        """Whether a request reserving ``tokens`` of a class with ``headroom`` (the
-        fraction of the capacity it leaves to the classes above: :func:`qos.capacity.room_for`)
-        may be placed here now (module docstring)."""
-        if not self.in_rotation or self.occupied() >= room_for(self.capacity, headroom):
-            return False
-        if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
-            return False
-        cap = self.spec.max_inflight_tokens
-        return cap is None or self.inflight_tokens + tokens <= cap
-
-    def occupied(self) -> int:
-        """Requests in flight here as the classes' headroom counts them: each class's up
-        to its own room (:func:`qos.capacity.room_for` at its headroom), the top class's
-        (headroom 0) and those placed outside admission in full (module docstring)."""
-        return occupied(self.inflight, self.held, self.capacity)
-
-    def can_hold(self, tokens: int) -> bool:
-        """Whether its token capacity can ever hold a request reserving ``tokens``."""
-        cap = self.spec.max_inflight_tokens
-        return cap is None or tokens <= cap
-
-    def headroom(self, tokens: int = 0, placed: int = 1) -> float:
-        """``h(e, t)`` of the module docstring: the fraction left free once ``placed``
-        requests reserving ``tokens`` in all are added (``placed=0``: free now). At most
-        1; below 0 when over a limit."""
-        h = 1.0 - (self.inflight + placed) / max(1, self.capacity)
-        cap = self.spec.max_inflight_tokens
-        if cap is not None:
-            h = min(h, 1.0 - (self.inflight_tokens + tokens) / cap)
-        if self.load is not None:
-            h = min(h, 1.0 - self.load / self.spec.upstream.load_signal.saturated_at)
-        return h
-
-    def set_load(
-        self,
-        load: float | None,
-        saturated: bool = False,
-        capacity_limit: int | None = None,
-        *,
-        waiting: int | None = None,
-        signal: str | None = None,
-    ) -> None:
-        """Record what the engine's load poller knows (``None`` / False / ``None`` when
-        the reading is stale or absent): the KV fraction in use, whether the engine is
-        saturated (:func:`proxy.runtime.load_signal.is_saturated`), the capacity limit
-        :func:`proxy.runtime.load_signal.capacity_for` derives from it, the requests waiting
-        inside it, and the poller's state (``signal``, kept when ``None``)."""
-        self.load, self.saturated, self.capacity_limit, self.waiting = load, saturated, capacity_limit, waiting
-        if signal is not None:
-            self.load_signal = signal
-
-    def status(self) -> dict:
-        """A JSON-ready view for ``/admin/status`` and the dashboard: the keys of the
-        dashboard's ``engines`` entries (:mod:`proxy.api.dashboard`: ``name``, ``url``,
-        ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
-        ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
-        ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
-        ``ejections_refused`` (passive ejections the pool's floor refused),
-        ``ejection_held`` (one is being refused now), ``failures``, ``probe_in_s``,
-        ``last_error``."""
-        h = self.health
-        c = self.control
-        return {
-            "name": self.name,
-            "pool": self.spec.pool,
-            "url": public_url(self.url),  # no user:password@
-            "kind": self.spec.kind,
-            "state": "draining" if self.draining else h.state.value,
-            "inflight": self.inflight,
-            "capacity": self.capacity,
-            "max_inflight": self.spec.max_inflight,
-            "capacity_mode": "adaptive" if c.adaptive else "fixed",
-            "capacity_found": self.found_capacity,
-            "capacity_reason": c.reason,
-            "capacity_decreases": dict(c.decreases),
-            "tpot_s": _ms(c.tpot_s),
-            "baseline_tpot_s": _ms(c.baseline_tpot_s),
-            "ttft_s": _ms(c.ttft_s),
-            "baseline_ttft_s": _ms(c.baseline_ttft_s),
-            "inflight_tokens": self.inflight_tokens,
-            "max_inflight_tokens": self.spec.max_inflight_tokens,
-            "load": self.load,
-            "waiting": self.waiting,
-            "saturated": self.saturated,
-            "load_signal": self.load_signal,
-            "headroom": round(self.headroom(placed=0), 4),
-            "weight": self.spec.weight,
-            "routed": self.routed,
-            "ejections": h.ejections,
-            "ejections_refused": h.ejections_refused,
-            "ejection_held": h.ejection_held,
-            "failures": dict(h.failures),
-            "probe_in_s": None if h.ejected_until is None else round(h.retry_after_s() or 0.0, 3),
-            "last_error": h.last_error,
-        }
-
-
-def _ms(v: float | None) -> float | None:
-    """Seconds rounded to the millisecond's tenth, for status pages."""
-    return None if v is None else round(v, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,49 +69,6 @@ class Changes:
     reset: tuple[str, ...] = ()
     draining: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
-
-
-def affinity_key(routing: RoutingConfig, session: str | None, prompt_text: str | None) -> str | None:
-    """The affinity key of a request under ``routing.affinity``, or ``None``.
-
-    Args:
-        session: the value of the ``session_header`` the request carried, if any.
-        prompt_text: the start of its prompt (at least ``prefix_chars`` characters when it
-            has that many; see :func:`proxy.relay.request_kinds.prompt_prefix`), if any.
-
-    The session wins over the prefix; an empty value counts as absent.
-    """
-    aff = routing.affinity
-    if aff.session_header is not None and session:
-        return "s\x00" + session
-    if aff.prefix_chars > 0 and prompt_text:
-        return "p\x00" + prompt_text[: aff.prefix_chars]
-    return None
-
-
-def _unit_hash(data: bytes) -> float:
-    """A uniform float in (0, 1) from ``data`` (BLAKE2b, 64 bits)."""
-    n = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-    return (n + 0.5) / 2.0**64
-
-
-def rendezvous_order(key: str, engines: Iterable[EngineState]) -> list[EngineState]:
-    """``engines`` by weighted rendezvous score for ``key``, best first (module
-    docstring). Deterministic for a key and a set of engine names and weights."""
-    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-    def score(e: EngineState) -> float:
-        u = _unit_hash(digest + e.name.encode("utf-8", "surrogatepass"))
-        return -e.spec.weight / math.log(u)
-
-    return sorted(engines, key=score, reverse=True)
-
-
-def _within_lease(e: EngineState, tokens: int) -> bool:
-    """Whether one more request of ``tokens`` stays within ``e``'s lease (if it has one)."""
-    if e.lease_slots is not None and e.inflight >= e.lease_slots:
-        return False
-    return e.lease_tokens is None or e.inflight_tokens + tokens <= e.lease_tokens
 
 
 class PoolRouter:
@@ -509,28 +192,24 @@ class PoolRouter:
         """
         cands = [e for e in self.engines.values() if e not in exclude and e.fits(tokens, headroom)]
         if not cands and over:
-            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and e.can_hold(tokens) and _within_lease(e, tokens)]
+            rest = [e for e in self.engines.values() if e not in exclude and e.in_rotation and e.can_hold(tokens) and within_lease(e, tokens)]
             return max(rest, key=lambda e: e.headroom(tokens), default=None)
         if not cands:
             return None
         if len(cands) == 1 and len(self.engines) == 1:
             return cands[0]  # the only engine (the single-upstream form): nothing to choose
         if self.routing.policy == "round_robin":
-            pick = self._by_affinity(key, [e for e in cands if not e.saturated]) if key else None
-            return pick or self._round_robin(cands, commit)
+            pick = by_affinity(key, [e for e in cands if not e.saturated]) if key else None
+            return pick or round_robin(cands, commit)
         scores = {e: e.headroom(tokens) for e in cands}
         best = max(scores.values())
         if key:
             floor = best - self.routing.affinity.tolerance - 1e-12
-            pick = self._by_affinity(key, [e for e in cands if not e.saturated and scores[e] >= floor])
+            pick = by_affinity(key, [e for e in cands if not e.saturated and scores[e] >= floor])
             if pick is not None:
                 return pick
         tied = [e for e in cands if scores[e] >= best - 1e-12]
         return self._next_in_turn(tied, commit)
-
-    @staticmethod
-    def _by_affinity(key: str, eligible: list[EngineState]) -> EngineState | None:
-        return rendezvous_order(key, eligible)[0] if eligible else None
 
     def _next_in_turn(self, tied: list[EngineState], commit: bool) -> EngineState:
         if len(tied) == 1:
@@ -541,20 +220,6 @@ class PoolRouter:
             pick = min(tied, key=lambda e: (order[e] - self._turn) % n)
         if commit:
             self._turn = list(self.engines.values()).index(pick) + 1
-        return pick
-
-    @staticmethod
-    def _round_robin(cands: list[EngineState], commit: bool) -> EngineState:
-        """Smooth weighted round robin (nginx ``ngx_http_upstream_get_peer``): every
-        candidate gains its weight, the largest total is picked and pays the sum."""
-        if not commit:
-            return cands[0]
-        total = 0.0
-        for e in cands:
-            e._wrr += e.spec.weight
-            total += e.spec.weight
-        pick = max(cands, key=lambda e: e._wrr)
-        pick._wrr -= total
         return pick
 
     # ------------------------------------------------- the scheduler's seam

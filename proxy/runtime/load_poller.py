@@ -34,10 +34,10 @@ MAX_POLL_TIMEOUT_S = 2.0
 
 class EnginePoller:
     """The polling task of one engine: reads its load and sets its capacity limit in its
-    pool's router (:meth:`proxy.routing.router.EngineState.set_load`).
+    pool's router (:meth:`proxy.routing.engine_state.EngineState.set_load`).
 
     Args:
-        engine: the engine (:class:`proxy.routing.router.EngineState`); its ``spec.upstream`` is
+        engine: the engine (:class:`proxy.routing.engine_state.EngineState`); its ``spec.upstream`` is
             read at every poll, so a hot reload of its settings applies at the next one.
         on_room: called with the engine when its limit was raised or lifted (the proxy
             dispatches its pool's queue).

@@ -17,7 +17,7 @@ Sources (LightLLM v1.2.0 ``lightllm/server/api_http.py:token_load``; docs/deploy
   signal (:class:`NoSignal`).
 
 What a fresh reading calls for (:func:`capacity_for`; the engine's limit in its pool's
-router, :meth:`proxy.routing.router.EngineState.set_load`, which the pool's scheduler sees
+router, :meth:`proxy.routing.engine_state.EngineState.set_load`, which the pool's scheduler sees
 at dispatch):
 
 * saturated: 1. Nothing new is dispatched as long as any of our requests is in flight,

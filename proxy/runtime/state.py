@@ -17,7 +17,7 @@ from ..admission.identity import IdentityResolver
 from ..telemetry.metrics import Metrics, SharedStateCollector
 from ..routing.model_routing import ModelTable
 from ..config.pools import public_url
-from ..routing.router import EngineState
+from ..routing.engine_state import EngineState
 from ..shared import StandaloneState, create_shared_state
 from ..admission.rate_reservation import SharedRateLimiter
 from ..relay.upstream import Upstream

@@ -1,5 +1,5 @@
 """The start of a request's prompt, read from its parsed body for the engine-affinity hash
-(:func:`proxy.routing.router.affinity_key`): one reader for every kind of request (chat,
+(:func:`proxy.routing.placement.affinity_key`): one reader for every kind of request (chat,
 completions, Responses, LightLLM's native routes).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def prompt_prefix(fields: dict, chars: int) -> str | None:
     """The first ``chars`` characters of a request's prompt, for the affinity hash
-    (:func:`proxy.routing.router.affinity_key`), or ``None`` when it has no text prompt.
+    (:func:`proxy.routing.placement.affinity_key`), or ``None`` when it has no text prompt.
 
     Chat: each message as ``role: text`` on its own line (a shared system prompt makes a
     shared prefix); completions: ``prompt`` (the first one of a list); Responses:
