@@ -101,6 +101,10 @@ WAITING_NEAR_ZERO = 1.0  # "near 0": the engine's mean waiting count over the ro
 THROUGHPUT_FLOOR = 0.90
 ENGINE_READY_S = 900.0  # first start compiles (about 2 minutes on 2 cores), more if the machine is busy
 DRAIN_S = 120.0
+IDLE_GAP_S = 1.5  # after the engine drained, before the next run: every run starts on an idle proxy
+# (its capacity controller counts an engine idle after two 0.5-s steps with nothing in
+# flight and then restarts from a small window, as TCP restarts after idle; a load whose
+# clients all come back within a step reads as the same load continuing)
 CONTROL_FIELDS = ("capacity_reason", "capacity_decreases")  # what /admin/status says of each engine's controller, kept as is
 ENGINE_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
@@ -416,6 +420,7 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
     await asyncio.gather(*workers, *probe_tasks, *samplers, return_exceptions=True)
     cpu1 = h.cpu_sample(ctx.pids)
     drained = await wait_idle(ctx.session, ctx.engine_url)
+    await asyncio.sleep(IDLE_GAP_S)
 
     a, b = ctx.warmup_s, ctx.duration_s
     steady = b - a

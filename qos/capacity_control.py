@@ -87,13 +87,14 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    stays what the engine can take (an idle replica must not shrink the others' share).
 
 Rules 2 and 3 bound the per-token slowdown the limit causes, and with it the time to
-first token of a request let in at once (about one and a half engine steps). Measured on
-vLLM's CPU build (SmolLM2-135M, 2 cores): per-token time 2.8x the unloaded at 64 streams
-and 5x at 128, tokens per second 401, 432, 620, 579, 678 and 650 at 32, 48, 64, 80, 112
-and 128 streams (one noisy sweep), and a bound of 3 held the limit near 55, which cost a
-64-stream load a fifth of its throughput; 4 lets it reach about 100 there (first token in
-about 0.25 s). On a GPU, where the per-token time grows slowly with the batch, the
-engine's own queue or KV report stops the limit first.
+first token of a request let in at once (one to two engine steps). Measured on vLLM's CPU
+build (SmolLM2-135M, 2 cores, one noisy sweep of closed-loop streams): 401, 432, 620,
+579, 678 and 650 tokens/s at 32, 48, 64, 80, 112 and 128 streams, that is 1.8, 2.3, 3.1,
+3.7 and 4.4 times the unloaded per-token time (0.045 s) at 32, 64, 80, 112 and 128; a
+platinum request's first token came in about 2.3 per-token times. A bound of 3 holds
+the limit near 80 there: first token about 0.3 s, 90 % of the tokens/s of a full batch.
+On a GPU, where the per-token time grows slowly with the batch, the engine's own queue or
+KV report stops the limit first.
 
 The baseline per-token time is the smallest median seen, drifting up towards newer ones by
 ``baseline_drift`` of the gap per step (so a baseline measured before a model or hardware
@@ -137,7 +138,7 @@ class ControlSettings:
         ceiling: the most it may reach (requests; ``admission.max_inflight`` when set).
         floor: the least it may fall to (requests, >= 1).
         tpot_slowdown: the bound on slowing tokens: the median time per output token may
-            reach this multiple of the baseline before the limit backs off (> 1; 4 by
+            reach this multiple of the baseline before the limit backs off (> 1; 3 by
             default, from vLLM's CPU build: see the module docstring).
         backoff: the multiplicative decrease (0 < backoff < 1).
         latency_floor_fraction: latency alone never takes the limit below this fraction
@@ -155,7 +156,7 @@ class ControlSettings:
     initial: int = 16
     ceiling: int = 1024
     floor: int = 1
-    tpot_slowdown: float = 4.0
+    tpot_slowdown: float = 3.0
     backoff: float = 0.9
     latency_floor_fraction: float = 0.5
     min_streams: int = 4

@@ -333,9 +333,8 @@ def test_capacity_stops_where_tokens_slow_past_the_bound():
 def test_capacity_holds_near_the_knee_where_tokens_reach_the_bound():
     """Near the bound (tokens slower than NEAR of it) the limit grows by one request a
     step, so it saws close under the knee instead of doubling past it and being cut back
-    three steps later: tpot = t1 (1 + n/16) is 4 x t1 (the default bound) at n = 48."""
-    c = CapacityController(ControlSettings(initial=16, ceiling=1024))
-    assert c.settings.tpot_slowdown == 4.0
+    three steps later: tpot = t1 (1 + n/16) is 4 x t1 at n = 48."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024, tpot_slowdown=4.0))
     c.step(obs(-1, inflight=1, tpot_s=0.045, streams=1))
     limits = _simulate(c, batch=10_000, steps=400)
     tail = limits[-200:]
@@ -389,9 +388,9 @@ def test_meter_takes_the_median_of_the_streams_that_advanced():
     fast = [_T() for _ in range(5)]
     stalled = [_T() for _ in range(4)]  # clients that stopped reading
     for t in fast + stalled:
-        m.progress(t, 1, 0.1)
+        m.progress(t, 1, 0.5)
     first = m.sample(0.5)
-    assert first.tpot_s is None and len(first.ttft_s) == 9 and first.ttft_s[0] == pytest.approx(0.1)
+    assert first.tpot_s is None and len(first.ttft_s) == 9 and first.ttft_s[0] == pytest.approx(0.5)
     for i in range(2, 12):  # 10 tokens each in the next 0.5 s step
         for t in fast:
             m.progress(t, i, 0.5 + 0.05 * (i - 1))
@@ -414,15 +413,43 @@ def test_meter_takes_the_median_of_the_streams_that_advanced():
 
 
 def test_a_burst_of_tokens_does_not_look_fast():
-    """Tokens delivered together (one read, a proxy's buffer) count by how many came in the
-    step, not by their spacing: a burst is no 0.1 ms per token."""
+    """Tokens delivered together (one read, a proxy's buffer) count by how many came since
+    the stream's last token, not by their spacing: a burst is no 0.1 ms per token."""
     m = EngineMeter()
     t = _T()
     m.progress(t, 1, 0.0)
     m.sample(0.1)
-    m.progress(t, 6, 0.6)  # five tokens in one chunk, 0.5 s after the last
+    m.progress(t, 6, 0.6)  # five tokens in one chunk, 0.6 s after the last
     s = m.sample(0.6)
-    assert s.tpot_s == pytest.approx(0.1)
+    assert s.tpot_s == pytest.approx(0.12)
+
+
+def test_a_slow_engines_tokens_are_timed_token_to_token():
+    """On a slow engine a stream gets two to four tokens per 0.5-s step: the step's length
+    divided by a whole count read 0.125, 0.167 or 0.25 s and nothing between (measured on
+    vLLM's CPU build, where the latency bound sat between two of them and flipped). Timed
+    from token to token, 0.2 s a token reads 0.2 s in every step."""
+    m = EngineMeter()
+    streams = [_T() for _ in range(8)]
+    tpot, t0 = 0.2, 0.0
+    samples = []
+    for k, st in enumerate(streams):  # staggered starts, each a token every 0.2 s
+        m.progress(st, 1, t0 + 0.025 * k)
+    n = {st: 1 for st in streams}
+    now = 0.0
+    for step in range(1, 9):
+        end = 0.5 * step
+        while True:
+            due = [(0.025 * k + n[st] * tpot, st) for k, st in enumerate(streams)]
+            at, st = min(due, key=lambda x: x[0])
+            if at > end:
+                break
+            n[st] += 1
+            m.progress(st, n[st], at)
+        s = m.sample(end)
+        if s.tpot_s is not None:
+            samples.append(s.tpot_s)
+    assert samples and all(x == pytest.approx(tpot) for x in samples), samples
 
 
 def test_meter_forgets_ended_requests():

@@ -142,7 +142,7 @@ class CapacityConfig(_Model):
     ``max_inflight`` (8 when unset), as a hand-set number. ``initial`` (16): the starting
     limit when ``max_inflight`` is unset. ``max`` (1024): the ceiling when
     ``max_inflight`` is unset. ``min`` (1): the least it may fall to. ``tpot_slowdown``
-    (4.0): the bound on slowing tokens, a multiple of the engine's unloaded time per
+    (3.0): the bound on slowing tokens, a multiple of the engine's unloaded time per
     output token. ``backoff`` (0.9): the multiplicative decrease. ``latency_floor`` (0.5):
     latency alone never takes the limit below this fraction of the limit it had when
     tokens were last within the bound.
@@ -152,7 +152,7 @@ class CapacityConfig(_Model):
     initial: int = Field(default=16, ge=1, le=100_000)
     max: int = Field(default=1024, ge=1, le=100_000)
     min: int = Field(default=1, ge=1, le=100_000)
-    tpot_slowdown: float = Field(default=4.0, gt=1, le=1000)
+    tpot_slowdown: float = Field(default=3.0, gt=1, le=1000)
     backoff: float = Field(default=0.9, gt=0, lt=1)
     latency_floor: float = Field(default=0.5, ge=0, le=1)
 

@@ -8,11 +8,14 @@ when it ends. Read once per control step with :meth:`sample`:
 
 * **time to first token** (TTFT): from dispatch (the ticket's ``admitted_at``) to the
   first output token, one sample per request whose first token came since the last step;
-* **time per output token** (TPOT) of a stream over the last step: the step's length
-  divided by the tokens the stream produced in it, for a stream that was there for the
-  whole step (a burst of tokens delivered together cannot make it look fast: what counts
-  is how many came in the step, not their spacing); the step's figure is the **median**
-  over the streams that advanced. A stream
+* **time per output token** (TPOT) of a stream over the last step: the time from its last
+  token before the step to its last token in it, divided by the tokens it produced in
+  between, for a stream that was there for the whole step (a burst of tokens delivered
+  together cannot make it look fast: what counts is how many came and when the last of
+  them came, not their spacing; and from token to token, not the step's length divided
+  by a whole number of tokens, which on a slow engine, two to four tokens a stream per
+  step, read 0.125, 0.167 or 0.25 s and nothing between); the step's figure is the
+  **median** over the streams that advanced. A stream
   that did not advance (its client stopped reading, or it is waiting inside the engine) is
   left out, and a median is moved by no minority of streams, so a few clients that read
   slowly or send huge prompts cannot make every stream look slow.
@@ -92,7 +95,7 @@ class EngineMeter:
                 continue
             whole = span is not None and span > 0 and st.last_at_step <= since  # there all step long
             if st.n > st.n_step and whole:
-                rates.append(span / (st.n - st.n_step))
+                rates.append(max(0.0, st.last_at - st.last_at_step) / (st.n - st.n_step))
             st.n_step, st.last_at_step = st.n, min(st.last_at, now)
         for ticket in gone:
             del self._streams[ticket]
