@@ -356,12 +356,16 @@ def test_after_idle_the_load_uses_the_capacity_found_by_doubling_per_step():
     c.step(obs(20, inflight=0))
     assert c.usable == found  # one idle step is a gap between requests, not idleness
     c.step(obs(20.5, inflight=0))
-    assert c.usable == 4 and c.value == found  # TCP's restart window
+    assert c.usable == 16 and c.value == found  # the restart window: the initial limit
     usable = []
-    for i in range(8):
+    for i in range(6):
         c.step(obs(21 + i * 0.5, inflight=c.usable, demand=True, engine_waiting=0, engine_running=c.usable))
         usable.append(c.usable)
-    assert usable[:5] == [8, 16, 32, 64, 128] and usable[-1] == c.value >= found
+    assert usable[:3] == [32, 64, 128] and usable[-1] == c.value >= found
+    # what counts is the most in flight between steps, not the instant of a step
+    c.step(obs(25, inflight=0, peak_inflight=60))
+    c.step(obs(25.5, inflight=0, peak_inflight=60))
+    assert c.usable == 120
     # while requests wait for the pace, the reason says so
     c.step(obs(30, inflight=0))
     c.step(obs(30.5, inflight=0))

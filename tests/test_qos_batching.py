@@ -164,10 +164,14 @@ def test_a_second_load_right_after_the_first_gets_its_weight_share(first):
     benchmark run right after the first, measured on vLLM: alice 74.6 % then 55.2 %):
     dispatching the whole capacity at once gave every place to the user whose client
     started first, for a whole generation. The controller's restart after idle paces the
-    start, the queue forms in the proxy, and weights decide: 75 % in both loads, whoever
-    starts first."""
+    start, the queue forms in the proxy, and weights decide: 75 % in both loads. The
+    restart window (the initial limit, 16) still goes in arrival order: when bob's client
+    starts first, his 16 extra places cost alice a few points until their requests end."""
     order = {first: 128, ("bob" if first == "alice" else "alice"): 128}
     for load in run_two_loads(order, WEIGHTS):
-        assert load.share("alice") == pytest.approx(0.75, abs=0.05)
+        if first == "alice":
+            assert load.share("alice") == pytest.approx(0.75, abs=0.05)
+        else:
+            assert 0.75 - 16 / 128 / 2 - 0.02 <= load.share("alice") <= 0.80
     if first == "bob":  # without the pace the first client takes the batch, whatever its weight
         assert run_two_loads(order, WEIGHTS, restart=False)[1].share("alice") < 0.5

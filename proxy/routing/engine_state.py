@@ -83,6 +83,7 @@ class EngineState:
     spec: EngineSpec
     health: EngineHealth
     inflight: int = 0
+    peak_inflight: int = 0  # the most in flight since the capacity controller's last step
     inflight_tokens: int = 0
     held: dict[float, int] = field(default_factory=dict, repr=False)  # in flight by the headroom of its class
     draining: bool = False

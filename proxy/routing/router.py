@@ -307,6 +307,7 @@ class PoolRouter:
         tokens = ticket.reserved_tokens
         self._placed[ticket] = (engine, tokens, level)
         engine.inflight += 1
+        engine.peak_inflight = max(engine.peak_inflight, engine.inflight)
         engine.inflight_tokens += tokens
         engine.held[level] = engine.held.get(level, 0) + 1
         engine.routed += 1

@@ -169,6 +169,7 @@ class EnginePoller:
             Observation(
                 now=self._clock(),
                 inflight=engine.inflight,
+                peak_inflight=max(engine.peak_inflight, engine.inflight),
                 demand=self._demand(),
                 engine_waiting=None if fresh is None else fresh.waiting,
                 engine_running=None if fresh is None else fresh.running,
@@ -180,6 +181,7 @@ class EnginePoller:
                 ttft_s=sample.ttft_s,
             )
         )
+        engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
         if engine.capacity > before:
             self._on_room(engine)
 
