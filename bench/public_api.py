@@ -11,12 +11,13 @@ Two hot-path operations had private shortcuts, replaced by public ways:
   private ``logging._srcfile = None`` switched that walk off for the whole process. The
   access line is now a ``logging.LogRecord(...)`` built directly (the public class, behind
   an ``isEnabledFor`` check) and passed to ``Logger.handle()``, which skips the walk for
-  that one logger (``proxy.api.handlers._log_access``). ``Logger.makeRecord()`` + ``handle()``,
+  that one logger (``proxy.telemetry.access_log.log_access``). ``Logger.makeRecord()`` + ``handle()``,
   the other public way, is timed beside it.
 
 For each: the stock public call, the public way the proxy uses, and what it means for
 one finished request (5 labelled metric updates and 1 access-log line, as in
-``proxy.api.handlers._account`` and ``_log_access``). Timings are the median of
+``proxy.telemetry.metrics.Metrics.observe_request`` and
+``proxy.telemetry.access_log.log_access``). Timings are the median of
 ``--repeats`` runs of ``--iters`` calls, the operations taking turns (the machine may be
 shared).
 
@@ -36,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from proxy.telemetry.log_format import ACCESS_FORMATTER
 from proxy.telemetry.metrics import LATENCY_BUCKETS, LabelCache
 
-LABEL_CALLS_PER_REQUEST = 5  # queue_wait, requests, ttft, tokens x2 (proxy.api.handlers._account)
+LABEL_CALLS_PER_REQUEST = 5  # queue_wait, requests, ttft, tokens x2 (proxy.telemetry.metrics.Metrics.observe_request)
 LOG_LINES_PER_REQUEST = 1
 LINE = '{"user":"alice","group":"platinum","outcome":"ok","detail":null,"queue_wait_s":0.0,"ttft_s":0.0012,"duration_s":0.0031,"prompt_tokens":10,"output_tokens":8}'
 
@@ -111,7 +112,7 @@ PROXY_WAY = "LogRecord() + handle() (the proxy's way)"
 def log_timings(iters: int, repeats: int) -> dict[str, float]:
     """Microseconds per access-log line, formatting and writing included: ``Logger.info``
     (with the caller lookup); the proxy's way, ``isEnabledFor`` then a ``LogRecord`` made
-    directly and passed to ``Logger.handle`` (as ``proxy.api.handlers._log_access``); and
+    directly and passed to ``Logger.handle`` (as ``proxy.telemetry.access_log.log_access``); and
     ``Logger.makeRecord`` + ``Logger.handle`` (without the lookup too)."""
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False  # as the proxy does (public switches)
     log = _logger()

@@ -1,8 +1,9 @@
 """The HTTP surface: every route the proxy answers, and the app that wires them.
 
-* :mod:`.handlers`: the client routes (chat, completions, embeddings, Responses,
-  LightLLM's native routes, pass-through, models, health, readiness, metrics) and the
-  request's way through the layers: resolve, admit, open upstream, relay, account.
+* :mod:`.routes`: every client route's entry point (chat, completions, embeddings,
+  Responses, LightLLM's native routes, pass-through, models, health, readiness, metrics).
+* :mod:`.handlers`: a generation request's way through the layers, as named steps:
+  resolve, admit, open upstream, relay, account (:func:`.handlers.handle_generation`).
 * :mod:`.admin`: ``/admin/*`` (status, the active config, reload), behind the admin key.
 * :mod:`.dashboard`: the live dashboard's page (static files under ``proxy/static/``)
   and routes; :mod:`.dashboard_data`: its data and the sampler of its history;

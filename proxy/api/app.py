@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from . import admin, dashboard, handlers, openapi
+from . import admin, dashboard, openapi, routes
 from ..config.schema import Config
 from ..wire.errors import error_response
 from .handlers import STATE
@@ -64,22 +64,22 @@ def create_app(
     state = ProxyState(config, digest, config_path, upstream_override, worker)
     app[STATE] = state
     app[LOAD_SIGNAL] = load_signal = LoadSignal(state)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/generate", handlers.generate)
-    app.router.add_post("/generate_stream", handlers.generate_stream)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model:.+}", handlers.model)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/ready", handlers.ready)
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_post("/v1/embeddings", handlers.embeddings)
-    app.router.add_post("/v1/responses", handlers.responses)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/generate", routes.generate)
+    app.router.add_post("/generate_stream", routes.generate_stream)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{model:.+}", routes.model)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/ready", routes.ready)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_post("/v1/embeddings", routes.embeddings)
+    app.router.add_post("/v1/responses", routes.responses)
     app.router.add_get("/openapi.json", openapi.openapi)
     admin.add_routes(app)
     dashboard.add_routes(app)
-    app[handlers.OWN_RESOURCES] = tuple(app.router.resources())  # for pass-through's 405s
-    app.router.add_route("*", "/v1/{path:.*}", handlers.passthrough)  # last: every other /v1/ path
+    app[routes.OWN_RESOURCES] = tuple(app.router.resources())  # for pass-through's 405s
+    app.router.add_route("*", "/v1/{path:.*}", routes.passthrough)  # last: every other /v1/ path
 
     async def start_upstream(app: web.Application) -> None:
         state.start()  # every engine's connections and health checks
