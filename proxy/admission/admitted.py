@@ -23,10 +23,13 @@ from .admission import Admission, NoEngine, Pool
 
 class _OutsideAdmission:
     """The place on an engine of a pass-through request outside admission
-    (:meth:`proxy.routing.router.PoolRouter.place_outside`): it reserves no tokens."""
+    (:meth:`proxy.routing.router.PoolRouter.place_outside`): it reserves no tokens, and
+    has no ticket's ``context`` (the router asks for it when it reroutes one without an
+    affinity key: no key)."""
 
     __slots__ = ()
     reserved_tokens = 0
+    context = None
 
 
 class Admitted:
