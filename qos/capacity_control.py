@@ -7,6 +7,9 @@ the proxy, and a higher group waits for a slot the engine could have given) or a
 reports of itself and what the proxy measures of its own requests, one :meth:`step` per
 control interval. It is pure: the caller measures and passes an :class:`Observation`.
 
+One concept over 400 lines: one closed loop, its five rules and the measurements that
+made each of them (most of the lines are this account and the settings' docstrings).
+
 The rule (AIMD with a latency gradient, after Netflix's ``concurrency-limits``
 ``AIMDLimit``/``Gradient2Limit`` and TCP Vegas's idea of comparing the latency now with the
 latency of an empty pipe: Brakmo & Peterson, "TCP Vegas: End to End Congestion Avoidance
