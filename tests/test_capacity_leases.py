@@ -68,7 +68,7 @@ def test_a_leased_router_places_nothing_before_a_grant_and_never_past_one():
 def test_the_binding_reports_per_engine_and_class_and_applies_grants():
     config, spec = _pool()
     router = PoolRouter(spec, leased=True)
-    from proxy.routing.router import PoolCapacity
+    from proxy.routing.pool_capacity import PoolCapacity
 
     sched = Scheduler(config.to_policy(), capacity=PoolCapacity(router))
     shared = Grants()
@@ -98,7 +98,7 @@ def test_an_engine_this_replica_cannot_use_is_reported_closed_with_only_its_in_f
     is not demand on it), its in flight still exact; back in rotation, it is open again."""
     config, spec = _pool()
     router = PoolRouter(spec, leased=True)
-    from proxy.routing.router import PoolCapacity
+    from proxy.routing.pool_capacity import PoolCapacity
 
     sched = Scheduler(config.to_policy(), capacity=PoolCapacity(router))
     shared = Grants()
@@ -137,7 +137,7 @@ def test_the_binding_reports_each_class_min_share():
     config = parse_config(yaml.safe_dump(cfg))
     spec = config.effective_pools()[0]
     router = PoolRouter(spec, leased=True)
-    from proxy.routing.router import PoolCapacity
+    from proxy.routing.pool_capacity import PoolCapacity
 
     sched = Scheduler(config.to_policy(), capacity=PoolCapacity(router))
     binding = LeaseBinding(Grants(), lambda: [BoundPool(spec.name, sched, router.engines.values, lambda t: t.placement)])

@@ -14,7 +14,8 @@ from proxy.config.loading import parse_config
 from proxy.routing.engine_health import FAILURE_REASONS, EngineHealth, Health, check_path_for
 from proxy.config.pools import HealthConfig, PoolSpec
 from proxy.routing.placement import affinity_key, rendezvous_order
-from proxy.routing.router import NoEngineFits, PoolCapacity, PoolRouter
+from proxy.routing.pool_capacity import PoolCapacity
+from proxy.routing.router import NoEngineFits, PoolRouter
 from qos import Ticket
 from tests.conftest import base_config
 

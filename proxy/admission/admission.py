@@ -3,7 +3,7 @@
 :class:`Admission` owns one :class:`Pool` per configured pool (the single ``upstream``
 form is the pool ``default`` of one engine): its :class:`qos.Scheduler` (its own queue,
 so one model's overload never blocks another's) whose capacity is the pool's
-:class:`proxy.routing.router.PoolRouter` (through :class:`proxy.routing.router.PoolCapacity`). Groups,
+:class:`proxy.routing.router.PoolRouter` (through :class:`proxy.routing.pool_capacity.PoolCapacity`). Groups,
 users and weights are the same policy in every pool; fair-share counters are kept per
 pool (each pool's queue orders its own users); rate limits are one
 :class:`qos.RateLimiter` shared by every pool, so a user's limit holds across models.
@@ -20,7 +20,7 @@ user arrives: one timer (``loop.call_at``) is armed for the earliest
 :meth:`qos.Scheduler.next_forget_at` of the pools whenever a request ends and none is
 armed, and re-armed for the next one when it fires (:meth:`qos.Scheduler.forget_idle`).
 
-Bind late: the returned ticket's ``placement`` is the :class:`proxy.routing.router.EngineState`
+Bind late: the returned ticket's ``placement`` is the :class:`proxy.routing.engine_state.EngineState`
 chosen when it was dispatched; the handler opens the request on that engine's ``client``
 (:class:`proxy.relay.upstream.Upstream`). A request whose connection failed before it reached the
 engine is moved with :meth:`Admission.reroute`.
@@ -60,7 +60,9 @@ from qos.rate_limit import RateLimiter
 
 from ..wire.errors import retry_after_seconds
 from ..config.pools import PoolSpec
-from ..routing.router import EngineState, PoolCapacity, PoolRouter
+from ..routing.engine_state import EngineState
+from ..routing.pool_capacity import PoolCapacity
+from ..routing.router import PoolRouter
 from .rate_reservation import SharedRateLimiter, reserve_and_submit
 
 
@@ -356,11 +358,11 @@ class Admission:
             choices: the output multiplier (``max(n, best_of)`` x prompts).
             output_ceiling: the serving engine's output ceiling when known (tokens).
             pool: the pool's name (:class:`proxy.routing.model_routing.Route`); ``None``: the first.
-            key: the request's affinity key (:func:`proxy.routing.router.affinity_key`), or ``None``.
+            key: the request's affinity key (:func:`proxy.routing.placement.affinity_key`), or ``None``.
 
         Returns:
             An ADMITTED ticket whose ``placement`` is its engine
-            (:class:`proxy.routing.router.EngineState`); the caller must :meth:`release` it in a
+            (:class:`proxy.routing.engine_state.EngineState`); the caller must :meth:`release` it in a
             ``finally``.
 
         Raises:
@@ -700,7 +702,7 @@ class Admission:
         with ``pools``: every pool's name,
         queued, in flight, capacity, retired flag, queue per group and requests preempted
         there since start (``preemptions``), and ``engines``:
-        every engine (:meth:`proxy.routing.router.EngineState.status`)."""
+        every engine (:meth:`proxy.routing.engine_state.EngineState.status`)."""
         pools = list(self.all_pools())
         snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
         snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)

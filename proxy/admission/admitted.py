@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from qos import Ticket
 
 from ..routing.engine_health import Verdict
-from ..routing.router import EngineState
+from ..routing.engine_state import EngineState
 from .admission import Admission, NoEngine, Pool
 
 
@@ -56,7 +56,7 @@ class Admitted:
         prompt_tokens: the request's prompt estimate (tokens).
         max_tokens: its output cap per choice (tokens), or ``None``.
         choices: its output multiplier.
-        key: its affinity key (:func:`proxy.routing.router.affinity_key`), or ``None``.
+        key: its affinity key (:func:`proxy.routing.placement.affinity_key`), or ``None``.
         admit: wait for admission (``False``: ``passthrough.admit: false``, placed on an
             engine without a ticket, no tokens reserved).
 

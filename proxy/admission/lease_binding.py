@@ -38,7 +38,7 @@ so every replica orders its queue by service rendered everywhere, one sync inter
 The binding needs one narrow hook of the capacity model: something per engine that has
 ``max_inflight``, ``max_inflight_tokens``, ``in_rotation``, ``inflight``, ``inflight_tokens``
 and ``set_lease(slots, tokens)`` (:class:`LeasedEngine`: the router's
-:class:`proxy.routing.router.EngineState`), and a way to tell which engine a ticket in flight is on
+:class:`proxy.routing.engine_state.EngineState`), and a way to tell which engine a ticket in flight is on
 (``ticket.placement``). A new engine must start with a lease of 0 when leases are in force
 (:class:`proxy.routing.router.PoolRouter` ``leased=True``), so nothing is placed there before the
 binding's next :meth:`LeaseBinding.rebind`.

@@ -71,7 +71,7 @@ async def status(request: web.Request) -> web.Response:
     with the count of all users tracked; never every user (their number is bounded
     only by ``admission.max_users``). Summed over the pools, with ``pools`` (each pool's
     queue and in flight) and ``engines`` (each engine's health state, in flight, tokens
-    in flight, load, routed requests, ejections: :meth:`proxy.routing.router.EngineState.status`);
+    in flight, load, routed requests, ejections: :meth:`proxy.routing.engine_state.EngineState.status`);
     see :meth:`proxy.admission.admission.Admission.snapshot`; and ``shared_state``: the shared
     state's mode, live replicas, grants per capacity key, syncs and the last sync's age
     and round trip (``docs/scaling.md``)."""

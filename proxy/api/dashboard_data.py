@@ -53,7 +53,7 @@ group's users active in the window), which is what weighted fair sharing promise
 that stay backlogged.
 
 ``engines`` lists every engine of every pool (with ``pool``, ``state``, ``routed``, ``ejections``
-... as :meth:`proxy.routing.router.EngineState.status`); the single ``upstream`` is named ``upstream``.
+... as :meth:`proxy.routing.engine_state.EngineState.status`); the single ``upstream`` is named ``upstream``.
 ``users`` comes from the scheduler's own tally of each user's recent service (decayed
 with time constant ``admission.share_window_s``; :meth:`qos.Scheduler.snapshot`): its top
 users, and per group the service of all users and the weight of the active ones.
@@ -201,7 +201,7 @@ class Dashboard:
         return best
 
     def _engine_rows(self) -> list[dict]:
-        """Every engine's status row (:meth:`proxy.routing.router.EngineState.status`)."""
+        """Every engine's status row (:meth:`proxy.routing.engine_state.EngineState.status`)."""
         return [row for r in self._state.admission.routers() for row in r.snapshot()]
 
     def _cumulative(self, now: float, rows: list[dict]) -> Sample:
@@ -343,7 +343,7 @@ class Dashboard:
         return {"source": "scheduler", "total": snap["users_total"], "top": rows}
 
     def engines(self, rows: list[dict], current: Sample, base: Sample | None) -> list[dict]:
-        """One entry per engine of every pool (:meth:`proxy.routing.router.EngineState.status`;
+        """One entry per engine of every pool (:meth:`proxy.routing.engine_state.EngineState.status`;
         the single ``upstream`` is named ``upstream``), with ``id``, ``pool`` and
         ``state``, the latency the proxy measures there (``ttft_s``, ``tpot_s``; ``null``
         until measured), and its routed and failed requests, since start and per second

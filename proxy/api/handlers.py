@@ -55,7 +55,8 @@ from ..relay.upstream import UpstreamError
 from ..relay.upstream_body import UpstreamBody, open_upstream, stream_options_of
 from ..routing.engine_health import exchange_verdict
 from ..routing.model_routing import Route, model_error
-from ..routing.router import EngineState, affinity_key
+from ..routing.engine_state import EngineState
+from ..routing.placement import affinity_key
 from ..runtime.state import ActiveConfig, ProxyState
 from ..telemetry import metrics as m
 from ..telemetry.access_log import log_access

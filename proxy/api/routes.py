@@ -14,7 +14,7 @@ from ..relay import request_kinds as kinds
 from ..relay.upstream import UpstreamError
 from ..routing.engine_health import check_path_for
 from ..routing.model_routing import model_error, parse_models_body
-from ..routing.router import EngineState
+from ..routing.engine_state import EngineState
 from ..runtime.workers import whole_server_metrics
 from ..wire.errors import error_response
 from ..wire.headers import DECODED_CODINGS, REQUEST_ID, client_headers, content_coding, origin_form, request_id_of, trace_headers

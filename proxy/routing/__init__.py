@@ -4,7 +4,8 @@ an engine is fit to serve.
 * :mod:`.model_routing`: the ``model`` a request names picks its pool; the models list.
 * :mod:`.router`: :class:`~.router.PoolRouter`, a pool's capacity as its scheduler sees
   it (does the head of the queue fit? place it on the engine with the most room; free
-  it), and rerouting to another engine; :class:`~.router.PoolCapacity`, its face to the
+  it), and rerouting to another engine.
+* :mod:`.pool_capacity`: :class:`~.pool_capacity.PoolCapacity`, the router's face to the
   pool's :class:`qos.Scheduler`.
 * :mod:`.engine_state`: one engine as the router sees it (capacity, rotation, fit,
   headroom, load, status row).

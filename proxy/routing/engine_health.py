@@ -405,7 +405,7 @@ class HealthChecker:
     64 KiB.
 
     An engine is anything with ``name``, ``url``, ``health`` (an :class:`EngineHealth`)
-    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.routing.router.EngineState`).
+    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.routing.engine_state.EngineState`).
 
     ``on_checked``, when given, is called with the engine after each check or probe has
     been recorded (the proxy dispatches the engine's pool there: room may have come back).

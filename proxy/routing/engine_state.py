@@ -29,7 +29,7 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
   ``max_inflight_tokens`` is set, ``inflight_tokens + t <= max_inflight_tokens``. No
   exception for an idle engine: a request goes only to an engine whose token capacity
   can hold it (one above every engine's is refused at submit, 400 ``request_too_large``:
-  :meth:`proxy.routing.router.PoolCapacity.admissible`), so with engines of different
+  :meth:`proxy.routing.pool_capacity.PoolCapacity.admissible`), so with engines of different
   token capacities a request too large for a small one waits for a large one instead of
   filling the small one while it is idle.
 * **headroom** ``h(e, t)``: the fraction of the engine still free once the request is

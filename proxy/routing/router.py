@@ -1,16 +1,14 @@
 """The router: which engine of a pool serves a request, chosen when it is dispatched.
 
-(Over 400 lines, one concept: a pool's room, as :class:`PoolRouter` keeps it and the
-pool's scheduler asks for it through :class:`PoolCapacity`, a thin face of the router.)
-
 Bind late. A request waits in its pool's queue, where the scheduler orders it (strict
 priority, token-fair); it is given an engine only at dispatch, to the engine with the
 most headroom at that moment. :class:`PoolRouter` is the pool's capacity as the
 scheduler sees it: ``fits(ticket)`` (does some engine have room for the head of the
 queue?), ``reserve(ticket)`` (place it on the chosen engine) and ``release(ticket)``
 (free it), the same three questions ``admission.max_inflight`` /
-``max_inflight_tokens`` answered for one engine; :class:`PoolCapacity` asks them for the
-pool's :class:`qos.Scheduler`. It is pure: no I/O, no tasks; health comes from
+``max_inflight_tokens`` answered for one engine;
+:class:`proxy.routing.pool_capacity.PoolCapacity` asks them for the pool's
+:class:`qos.Scheduler`. It is pure: no I/O, no tasks; health comes from
 :mod:`proxy.routing.engine_health`, load readings from whoever polls them.
 
 What one engine's capacity, rotation, fit and headroom are: :mod:`.engine_state`. Which
@@ -31,12 +29,10 @@ from qos.capacity_control import fixed as fixed_capacity
 
 from .engine_health import EngineHealth, max_passive_ejections
 from .engine_state import EngineState
-from .placement import affinity_key, by_affinity, round_robin, within_lease
+from .placement import by_affinity, round_robin, within_lease
 from ..config.pools import PoolSpec
 
-# EngineState and affinity_key are defined in .engine_state and .placement; they are also
-# named here for the modules that import them from the router
-__all__ = ["Changes", "EngineState", "NoEngineFits", "PoolCapacity", "PoolRouter", "Reservable", "affinity_key"]
+__all__ = ["Changes", "NoEngineFits", "PoolRouter", "Reservable"]
 
 
 class Reservable(Protocol):
@@ -79,7 +75,7 @@ class PoolRouter:
         clock: monotonic seconds (passed to each engine's health).
         rng: float in [0, 1) (ejection jitter).
         affinity_of: returns the affinity key of a ticket given to :meth:`reserve`
-            without one (see :func:`affinity_key`); default: none.
+            without one (see :func:`proxy.routing.placement.affinity_key`); default: none.
         leased: the engines are shared with other replicas through leases
             (:mod:`proxy.admission.lease_binding`): an engine added here starts with a lease of 0
             until one is granted.
@@ -180,7 +176,7 @@ class PoolRouter:
 
         Args:
             tokens: reserved tokens (prompt + max output).
-            key: affinity key (:func:`affinity_key`), or ``None``.
+            key: affinity key (:func:`proxy.routing.placement.affinity_key`), or ``None``.
             exclude: engines not to choose (already tried for this request).
             commit: advance the policy's rotation (False for a mere "is there one?").
             over: when no engine fits, take the engine in rotation with the most headroom
@@ -359,118 +355,3 @@ class PoolRouter:
     def snapshot(self) -> list[dict]:
         """Every engine's :meth:`EngineState.status`, config order."""
         return [e.status() for e in self.engines.values()]
-
-
-class PoolCapacity:
-    """A pool's engines as the scheduler's :class:`qos.capacity.Capacity`: the seam
-    between one pool's :class:`qos.Scheduler` and its :class:`PoolRouter`.
-
-    ``fits(tokens)``: some engine in rotation has room (:meth:`PoolRouter.choose`);
-    ``reserve(ticket)``: place it on the chosen engine and set ``ticket.placement`` to
-    that :class:`EngineState` (bind late); ``release(ticket)``: free its place.
-    ``slots``: the requests the engines may run now, together (an engine out of rotation
-    counts only what still runs there), so the scheduler's "is there room at all?" test
-    stays exact. ``admissible(tokens)``: some engine of the pool (draining ones aside)
-    could ever take a request that large (its ``max_inflight_tokens``): the scheduler
-    refuses one that none could at submit (400 ``request_too_large``), and the router
-    places the others only on an engine that can hold them.
-
-    Args:
-        router: the pool's router.
-        affinity_of: the affinity key of a ticket being placed, or ``None``.
-    """
-
-    def __init__(self, router: PoolRouter, affinity_of: Callable[[Any], str | None] | None = None) -> None:
-        self.router = router
-        self._headroom: dict[str, float] = {}
-        if affinity_of is not None:
-            router.affinity_of = affinity_of
-
-    def configure(self, policy: Any) -> None:
-        """Take the classes' ``headroom`` from ``policy``; a pool's limits are its
-        engines' (``pools[].engines[]``, or ``admission.max_inflight`` /
-        ``max_inflight_tokens`` and ``admission.capacity`` for the single upstream),
-        applied by :meth:`PoolRouter.reconfigure`."""
-        self._headroom = {g.name: g.headroom for g in policy.groups if g.headroom > 0}
-
-    @property
-    def max_inflight_tokens(self) -> int | None:
-        """The largest engine token cap (``None`` when some engine has none): what the
-        scheduler names when it refuses a request as too large."""
-        caps = [e.spec.max_inflight_tokens for e in self.router.engines.values() if not e.draining]
-        return None if not caps or None in caps else max(caps)
-
-    @property
-    def slots(self) -> int:
-        n = 0
-        for e in self.router.engines.values():
-            n += e.capacity if e.in_rotation else e.inflight
-        return n
-
-    @property
-    def inflight(self) -> int:
-        return self.router.inflight
-
-    @property
-    def occupied(self) -> int:
-        """:attr:`inflight` as the classes' headroom counts it (:func:`qos.capacity.occupied`
-        per engine in rotation; the others in full, as :attr:`slots` counts them)."""
-        return sum(e.occupied() if e.in_rotation else e.inflight for e in self.router.engines.values())
-
-    @property
-    def inflight_tokens(self) -> int:
-        return sum(e.inflight_tokens for e in self.router.engines.values())
-
-    def set_limit(self, limit: int | None) -> None:
-        """Set every engine's load-signal capacity limit (``None`` lifts it); the load
-        signal sets each engine's own limit through :meth:`EngineState.set_load`.
-
-        Raises:
-            ValueError: ``limit`` is below 1.
-        """
-        if limit is not None and limit < 1:
-            raise ValueError(f"a capacity limit must be at least 1, got {limit}")
-        for e in self.router.engines.values():
-            e.capacity_limit = limit
-
-    def admissible(self, tokens: int) -> bool:
-        some = False
-        for e in self.router.engines.values():
-            if e.draining:
-                continue
-            if e.can_hold(tokens):
-                return True
-            some = True
-        return not some
-
-    def fits(self, tokens: int) -> bool:
-        return self.router.choose(tokens, commit=False) is not None
-
-    def reserve(self, ticket: Any) -> bool:
-        try:
-            ticket.placement = self.router.reserve(ticket, headroom=self._headroom.get(ticket.group, 0.0))
-        except NoEngineFits:
-            return False
-        return True
-
-    def fits_without(self, ticket: Any, victim: Any) -> bool:
-        """Whether :meth:`reserve` would place ``ticket`` now if ``victim`` gave its place
-        back first (no side effect): preemption's question
-        (:meth:`qos.Scheduler.preempt`). Only the victim's own engine gains room, and
-        only an engine in rotation counts."""
-        placed = self.router.placement(victim)
-        if placed is None or not placed[0].in_rotation:
-            return False
-        engine, freed, level = placed
-        engine.inflight -= 1
-        engine.inflight_tokens -= freed
-        engine.held[level] -= 1
-        try:
-            return self.router.choose(ticket.reserved_tokens, commit=False, headroom=self._headroom.get(ticket.group, 0.0)) is not None
-        finally:
-            engine.inflight += 1
-            engine.inflight_tokens += freed
-            engine.held[level] += 1
-
-    def release(self, ticket: Any) -> None:
-        self.router.release(ticket)
