@@ -2,7 +2,12 @@
 
 * :mod:`.identity`: API key or trusted header -> (user, group).
 * :mod:`.admission`: one scheduler per pool, whose capacity is the pool's router: wait
-  for a slot on an engine, give it back exactly once; preemption.
+  for a slot on an engine, give it back exactly once.
+* :mod:`.pool`: one pool as admission holds it (router, scheduler, timers), a ticket's
+  context while admission holds it, and :class:`~.pool.NoEngine` (no engine in rotation).
+* :mod:`.preemption`: ``admission.preemption``: when a lower class's request is taken
+  out of flight for a higher class's waiting head, and what happens to its task.
+* :mod:`.pool_snapshot`: the pools' scheduler snapshots summed, a row per pool and engine.
 * :mod:`.admitted`: one request's hold on admission, an ``async with``
   (:class:`~.admitted.Admitted`): its ticket and engine place, released exactly once
   however the request ends; reroute, requeue after a preemption, the health verdict.

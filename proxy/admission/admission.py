@@ -1,5 +1,11 @@
 """The asyncio face of the schedulers: wait for a slot on an engine, give it back exactly once.
 
+One concept over 400 lines: a request's wait for a slot across the pools, from
+:meth:`Admission.acquire` to :meth:`Admission.release` (reroute, requeue and reload
+included), with the timers that wake the queues on time (slot holds, idle users,
+preemption); the pieces that stand alone live beside it: the pool and a ticket's context
+(:mod:`.pool`), preemption (:mod:`.preemption`), the status (:mod:`.pool_snapshot`).
+
 :class:`Admission` owns one :class:`Pool` per configured pool (the single ``upstream``
 form is the pool ``default`` of one engine): its :class:`qos.Scheduler` (its own queue,
 so one model's overload never blocks another's) whose capacity is the pool's
@@ -25,16 +31,11 @@ chosen when it was dispatched; the handler opens the request on that engine's ``
 (:class:`proxy.relay.upstream.Upstream`). A request whose connection failed before it reached the
 engine is moved with :meth:`Admission.reroute`.
 
-Preemption (``admission.preemption``): when the head strict priority serves next has
-waited ``after_s`` and does not fit, a request of a lower class that has shown its client
-nothing is taken out of flight (:meth:`qos.Scheduler.preempt`: the lowest class's newest,
-at most ``max_per_request`` times each) and the head takes its room. The preempted
-request's handler task is cancelled with the ticket marked (:meth:`Admission.preempted`
-tells it so): it closes its upstream request (which aborts the generation), answers
-nothing, and waits at the head of its queue (:meth:`Admission.wait_requeued`) to be
-dispatched again, possibly on another engine. One timer per pool (``loop.call_at``) is
-armed for the moment the waiting head will have waited ``after_s``, whenever a request
-starts waiting or one ends; no polling.
+Preemption (``admission.preemption``): a lower class's request taken out of flight for a
+higher class's head that waited too long (:mod:`proxy.admission.preemption`: when, and
+what happens to the taken request's task). The pool as admission holds it, a ticket's
+context and the refusals are :mod:`proxy.admission.pool`; the status it reports,
+:mod:`proxy.admission.pool_snapshot`.
 
 Zero engines in rotation: :meth:`acquire` raises :class:`NoEngine` (503 with Retry-After)
 at once instead of queueing. Requests already queued when a pool loses its last engine
@@ -53,112 +54,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from qos import RefusalReason, Refused, Scheduler, SchedulerPolicy, Ticket, TicketState
 from qos.rate_limit import RateLimiter
 
-from ..wire.errors import retry_after_seconds
 from ..config.pools import PoolSpec
 from ..routing.engine_state import EngineState
 from ..routing.pool_capacity import PoolCapacity
 from ..routing.router import PoolRouter
+from .pool import TIMER_SLACK_S, NoEngine, Pool, Waiting, fresh_refusal, refuse, wake
+from .pool_snapshot import pools_snapshot
+from .preemption import OnPreempt, Preemption, arm_preempt_timer, preempt_after_s, preempt_now, take_back_cancel
 from .rate_reservation import SharedRateLimiter, reserve_and_submit
 
-
-FORGET_SLACK_S = 0.01  # the forget timer fires this much after an idle user's deadline
+FORGET_SLACK_S = TIMER_SLACK_S  # the forget timer fires this much after an idle user's deadline
 
 
 def _nothing() -> None:
     return None
 
 
-class NoEngine(Refused):
-    """No engine of the pool is in rotation (all ejected or draining): answer 503 at once
-    (reason :attr:`qos.RefusalReason.NO_ENGINE`, ``no_healthy_engine``).
-
-    Attributes:
-        pool: the pool's name.
-        retry_after_s: seconds until the first ejected engine is probed (>= 1).
-    """
-
-    def __init__(self, pool: str, retry_after_s: float) -> None:
-        super().__init__(RefusalReason.NO_ENGINE, retry_after_s, f"no engine of pool {pool!r} is healthy now; retry after {retry_after_seconds(retry_after_s)} s")
-        self.pool = pool
-
-
-@dataclass(eq=False, slots=True)
-class _Waiting:
-    """A ticket's ``context`` from submit to release: its pool, its affinity key, the
-    task that handles it (cancelled to preempt it), its wake-up future while it waits
-    (``None`` otherwise), and the preemptions whose cancel its task has not taken yet."""
-
-    fut: asyncio.Future | None
-    key: str | None
-    pool: "Pool | None" = None
-    task: asyncio.Task | None = None
-    preempted: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Preemption:
-    """``admission.preemption`` as the admission applies it.
-
-    Attributes:
-        enabled: preempt at all.
-        after_s: seconds a higher class's head waits before a lower class's request is
-            preempted for it; ``None``: ``auto`` (:meth:`Admission.preempt_after_s`).
-        max_per_request: the most times one request is preempted.
-    """
-
-    enabled: bool = True
-    after_s: float | None = None
-    max_per_request: int = 2
-
-
-AUTO_PREEMPT_FLOOR_S = 0.25  # ``auto``: never sooner than this
-AUTO_PREEMPT_TTFTS = 2.0  # ``auto``: this many times the engine's baseline TTFT
-AUTO_PREEMPT_DEFAULT_S = 0.5  # ``auto`` while no engine's baseline TTFT is known
-
-
-@dataclass(eq=False)
-class Pool:
-    """One pool, live: its config, router and scheduler.
-
-    Attributes:
-        spec: its resolved config.
-        router: its engines and the choice among them.
-        scheduler: its queue and admission.
-        retired: removed by a reload; finishing what it holds.
-        preemptions: requests preempted here since start.
-        hold_timer: fires when its scheduler's earliest slot hold ends
-            (:meth:`qos.Scheduler.next_hold_end`), so an unused held slot goes to the queue.
-    """
-
-    spec: PoolSpec
-    router: PoolRouter
-    scheduler: Scheduler
-    retired: bool = False
-    preemptions: int = 0
-    preempt_timer: asyncio.TimerHandle | None = None
-    preempt_due: float | None = None
-    hold_timer: asyncio.TimerHandle | None = None
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def tracks_health(self) -> bool:
-        """Whether its engines are ejected on failures and checked actively. Not for the
-        single-``upstream`` form: one engine, whose failures the client sees as before
-        (there is no other engine to send the request to)."""
-        return not self.spec.single_upstream
-
-    @property
-    def idle(self) -> bool:
-        """Nothing queued and nothing in flight."""
-        return not self.scheduler.queued and not self.scheduler.inflight
 
 
 class Admission:
@@ -211,7 +126,7 @@ class Admission:
         self.on_engine_removed: Callable[[EngineState], None] | None = None
         self.on_wait: Callable[[], None] = _nothing
         self.preemption = Preemption()
-        self.on_preempt: Callable[[Pool, EngineState | None, Ticket], None] | None = None
+        self.on_preempt: OnPreempt | None = None
         self.reconfigure(policy, pools)
 
     # ------------------------------------------------------------------ pools
@@ -315,21 +230,12 @@ class Admission:
 
     # -------------------------------------------------------------- callbacks
 
-    @staticmethod
-    def _wake(ticket: Ticket) -> None:
-        w = ticket.context
-        if isinstance(w, _Waiting) and w.fut is not None and not w.fut.done():
-            w.fut.set_result(None)
-
-    @staticmethod
-    def _refuse(ticket: Ticket) -> None:
-        w = ticket.context
-        if isinstance(w, _Waiting) and w.fut is not None and not w.fut.done():
-            w.fut.set_exception(_fresh(ticket.refusal))
+    _wake = staticmethod(wake)  # the schedulers' on_admit (bench/live.py passes them on)
+    _refuse = staticmethod(refuse)  # their on_refuse
 
     def _affinity_of(self, ticket: Ticket) -> str | None:
         w = ticket.context
-        return w.key if isinstance(w, _Waiting) else self._placing_key
+        return w.key if isinstance(w, Waiting) else self._placing_key
 
     # ---------------------------------------------------------------- acquire
 
@@ -391,9 +297,9 @@ class Admission:
         else:
             ticket = submit()
         if ticket.state is TicketState.ADMITTED:
-            ticket.context = _Waiting(None, key, p, asyncio.current_task())
+            ticket.context = Waiting(None, key, p, asyncio.current_task())
             return ticket
-        ticket.context = _Waiting(asyncio.get_running_loop().create_future(), key, p, asyncio.current_task())
+        ticket.context = Waiting(asyncio.get_running_loop().create_future(), key, p, asyncio.current_task())
         await self._wait(ticket)
         return ticket
 
@@ -415,7 +321,7 @@ class Admission:
                 except TimeoutError:
                     if sched.cancel(ticket, RefusalReason.TIMEOUT) or ticket.state is TicketState.REFUSED:
                         ticket.context = None
-                        raise _fresh(ticket.refusal) from None
+                        raise fresh_refusal(ticket.refusal) from None
                     if ticket.state is TicketState.ADMITTED:
                         return
                 except asyncio.CancelledError:
@@ -456,18 +362,9 @@ class Admission:
         whether that cancel was a preemption (then it is taken back: the task goes on,
         to :meth:`wait_requeued`). False when the task was not preempted, or when it was
         also cancelled for another reason (its client left): then it must end as
-        cancelled (and :meth:`release` takes the ticket out of the queue)."""
-        w = ticket.context
-        if not isinstance(w, _Waiting) or not w.preempted:
-            return False
-        task = asyncio.current_task()
-        n, w.preempted = w.preempted, 0
-        if task is not w.task:
-            return False
-        left = task.cancelling()
-        for _ in range(min(n, left)):
-            left = task.uncancel()
-        return left == 0
+        cancelled (and :meth:`release` takes the ticket out of the queue);
+        :func:`proxy.admission.preemption.take_back_cancel`."""
+        return take_back_cancel(ticket)
 
     def _loop_deadline(self, ticket: Ticket) -> float:
         loop = asyncio.get_running_loop()
@@ -478,7 +375,7 @@ class Admission:
         A ticket preempted and waiting again (its client left meanwhile) is taken out of
         the queue instead (and False returned)."""
         w = ticket.context
-        if not isinstance(w, _Waiting) or w.pool is None:
+        if not isinstance(w, Waiting) or w.pool is None:
             return False
         pool = w.pool
         if ticket.state is TicketState.QUEUED:
@@ -504,7 +401,7 @@ class Admission:
         """See :meth:`qos.Scheduler.record_output`; also the engine's latency meter
         (:class:`proxy.routing.engine_meter.EngineMeter`)."""
         w = ticket.context
-        if isinstance(w, _Waiting) and w.pool is not None:
+        if isinstance(w, Waiting) and w.pool is not None:
             pool = w.pool
             engine = ticket.placement
             if engine is not None:
@@ -519,7 +416,7 @@ class Admission:
         Returns the new engine (``ticket.placement``), or ``None`` when no other engine is
         in rotation (the ticket then holds no engine; :meth:`release` it as usual)."""
         w = ticket.context
-        if not isinstance(w, _Waiting) or w.pool is None:
+        if not isinstance(w, Waiting) or w.pool is None:
             return None
         engine = w.pool.router.reroute(ticket, exclude=tuple(tried), over=True)
         ticket.placement = engine
@@ -595,73 +492,16 @@ class Admission:
     # ------------------------------------------------------------ preemption
 
     def preempt_after_s(self, pool: Pool) -> float:
-        """Seconds ``pool``'s waiting head waits before preemption: ``after_s`` when set;
-        ``auto``: ``max(0.25, 2 x`` the largest baseline TTFT its engines in rotation
-        have measured ``)`` (``EngineState.baseline_ttft_s``), 0.5 while none is known."""
-        if self.preemption.after_s is not None:
-            return self.preemption.after_s
-        known = [b for e in pool.router.engines.values() if e.in_rotation and (b := getattr(e, "baseline_ttft_s", None))]
-        if not known:
-            return AUTO_PREEMPT_DEFAULT_S
-        return max(AUTO_PREEMPT_FLOOR_S, AUTO_PREEMPT_TTFTS * max(known))
+        """Seconds ``pool``'s waiting head waits before preemption
+        (:func:`proxy.admission.preemption.preempt_after_s`)."""
+        return preempt_after_s(self.preemption, pool)
 
     def _arm_preempt(self, pool: Pool) -> None:
-        """Arm ``pool``'s preemption timer for when its blocked head will have waited
-        long enough (:meth:`qos.Scheduler.preempt_at`), unless one is armed as early;
-        disarm it when nothing can be preempted for. Every state change that can make
-        a preemption possible (a request waits, one ends, room changes) calls this, and a
-        timer that preempted re-arms; one that found nothing waits for the next change,
-        so no timer spins."""
-        cfg = self.preemption
-        due = pool.scheduler.preempt_at(self.preempt_after_s(pool)) if cfg.enabled and not pool.retired else None
-        if due is None:
-            if pool.preempt_timer is not None:
-                pool.preempt_timer.cancel()
-                pool.preempt_timer = pool.preempt_due = None
-            return
-        if pool.preempt_timer is not None:
-            if pool.preempt_due is not None and pool.preempt_due <= due:
-                return
-            pool.preempt_timer.cancel()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # outside the loop: armed on the next change
-            return
-        delay = max(0.0, due - self._clock()) + FORGET_SLACK_S
-        pool.preempt_due = due
-        pool.preempt_timer = loop.call_at(loop.time() + delay, self._preempt_due, pool)
+        arm_preempt_timer(pool, self.preemption, self._clock, self._preempt_due)
 
     def _preempt_due(self, pool: Pool) -> None:
-        pool.preempt_timer = pool.preempt_due = None
-        cfg = self.preemption
-        if not cfg.enabled or pool.retired:
-            return  # a retired pool only finishes what it holds
-        engines = {}
-        for t in pool.scheduler.inflight:
-            engines[t] = t.placement
-        after = self.preempt_after_s(pool)
-        victims = pool.scheduler.preempt(after, cfg.max_per_request, _abortable)
-        if not victims:
-            due = pool.scheduler.preempt_at(after)
-            if due is not None and due > self._clock():
-                self._arm_preempt(pool)  # fired early (the head changed, or clock rounding)
-            return  # else nothing to take now: the next change re-arms
-        loop = asyncio.get_running_loop()
-        for t in victims:
-            engine = engines.get(t)
-            if engine is not None and getattr(engine, "meter", None) is not None:
-                engine.meter.finished(t)
-            pool.preemptions += 1
-            w = t.context
-            if isinstance(w, _Waiting):
-                if w.fut is None or w.fut.done():
-                    w.fut = loop.create_future()
-                w.preempted += 1
-                if w.task is not None:
-                    w.task.cancel()
-            if self.on_preempt is not None:
-                self.on_preempt(pool, engine, t)
-        self._arm_preempt(pool)
+        if preempt_now(pool, self.preemption, self._clock, self.on_preempt):
+            self._arm_preempt(pool)
 
     # ------------------------------------------------------------ idle users
 
@@ -696,80 +536,9 @@ class Admission:
     # ------------------------------------------------------------- inspection
 
     def snapshot(self, top_users: int = 20) -> dict:
-        """:meth:`qos.Scheduler.snapshot` summed over the pools (requests, capacity and
-        queue counts added; per group and per user, counts and recent service added, a
-        user served by several pools listed once and counted once in ``users_total``),
-        with ``pools``: every pool's name,
-        queued, in flight, capacity, retired flag, queue per group and requests preempted
-        there since start (``preemptions``), and ``engines``:
-        every engine (:meth:`proxy.routing.engine_state.EngineState.status`)."""
-        pools = list(self.all_pools())
-        snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
-        snap = snaps[0] if len(snaps) == 1 else _merge(snaps, top_users)
-        if len(snaps) > 1:
-            # distinct users: one served by several pools is tracked by each of them
-            # (O(users tracked), as each snapshot already is)
-            snap["users_total"] = _distinct(p.scheduler.user_ids() for p in pools)
-        snap["pools"] = [
-            {
-                "name": p.name,
-                "queued": p.scheduler.queued,
-                "inflight": len(p.scheduler.inflight),
-                "capacity": p.scheduler.capacity,
-                "retired": p.retired,
-                "groups": p.scheduler.queue_depths(),
-                "preemptions": p.preemptions,
-            }
-            for p in pools
-        ]
-        snap["engines"] = [s for r in self.routers() for s in r.snapshot()]
-        return snap
+        """Every pool's scheduler snapshot summed, with a row per pool and per engine
+        (:func:`proxy.admission.pool_snapshot.pools_snapshot`)."""
+        return pools_snapshot(list(self.all_pools()), top_users)
 
 
-def _merge(snaps: list[dict], top_users: int) -> dict:
-    """Several schedulers' snapshots as one (see :meth:`Admission.snapshot`)."""
-    out = {k: sum(s[k] for s in snaps) for k in ("inflight", "capacity", "inflight_tokens", "queued", "users_total", "users_forgotten", "held_slots", "holds_taken", "holds_expired")}
-    groups: dict[str, dict] = {}
-    for s in snaps:
-        for g in s["groups"]:
-            acc = groups.get(g["name"])
-            if acc is None:
-                groups[g["name"]] = dict(g)
-                continue
-            for k in ("queued", "inflight", "users", "recent_service", "active_weight"):
-                acc[k] += g[k]
-    out["groups"] = list(groups.values())
-    users: dict[str, dict] = {}
-    for s in snaps:
-        for u in s["users"]:
-            acc = users.get(u["user"])
-            if acc is None:
-                users[u["user"]] = dict(u)
-                continue
-            for k in ("queued", "inflight", "recent_service"):
-                acc[k] += u[k]
-    out["users"] = sorted(users.values(), key=lambda u: (u["recent_service"], u["queued"] + u["inflight"]), reverse=True)[: max(0, top_users)]
-    return out
-
-
-def _distinct(groups) -> int:
-    """How many distinct ids the collections ``groups`` hold together."""
-    seen: set[str] = set()
-    for ids in groups:
-        seen.update(ids)
-    return len(seen)
-
-
-def _abortable(ticket: Ticket) -> bool:
-    """Whether a task handles ``ticket`` that a preemption can reach (cancel)."""
-    w = ticket.context
-    return isinstance(w, _Waiting) and w.task is not None and not w.task.done()
-
-
-def _fresh(refusal: Refused) -> Refused:
-    """A new exception carrying ``refusal``'s reason: the ticket's own stays free of
-    tracebacks (which would tie the ticket to the frames that raised it)."""
-    return Refused(refusal.reason, refusal.retry_after_s, refusal.detail, refusal.scope, refusal.limit)
-
-
-__all__ = ["Admission", "NoEngine", "Pool", "Refused", "RefusalReason"]
+__all__ = ["Admission", "NoEngine", "Pool", "Preemption", "Refused", "RefusalReason"]
