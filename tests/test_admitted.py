@@ -2,7 +2,7 @@
 the ticket and the engine place are given back however the ``async with`` ends (a normal
 end, an error, the client leaving), and a failed entry holds nothing; and what one
 exchange's outcome tells its engine's health
-(:func:`proxy.routing.engine_health.exchange_verdict`). The request path around it is
+(:func:`proxy.routing.exchange_verdict.exchange_verdict`). The request path around it is
 covered through the real proxy process (``tests/test_proxy_disconnect.py``,
 ``tests/test_proxy_faults.py``, ``tests/test_preemption_process.py``)."""
 
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from proxy.admission.admitted import Admitted
-from proxy.routing.engine_health import ANSWERED, Verdict, exchange_verdict
+from proxy.routing.exchange_verdict import ANSWERED, Verdict, exchange_verdict
 from qos import RefusalReason, Refused
 from tests.conftest import wait_until
 from tests.test_pool_admission import admission, config, pool

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from proxy.config.loading import parse_config
-from proxy.routing.engine_health import EngineHealth, Health, HealthChecker, max_passive_ejections
+from proxy.routing.engine_health import EngineHealth, Health, max_passive_ejections
+from proxy.routing.health_checker import HealthChecker
 from proxy.config.pools import HealthConfig
 from proxy.routing.router import PoolRouter
 from tests.conftest import base_config, wait_until

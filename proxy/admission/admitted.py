@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from qos import Ticket
 
-from ..routing.engine_health import Verdict
+from ..routing.exchange_verdict import Verdict
 from ..routing.engine_state import EngineState
 from .admission import Admission, NoEngine, Pool
 
@@ -174,7 +174,7 @@ class Admitted:
 
     def report(self, engine: EngineState, verdict: Verdict | None) -> None:
         """Tell ``engine``'s health the verdict of an exchange with it
-        (:func:`proxy.routing.engine_health.exchange_verdict`; ``None``: no claim)."""
+        (:func:`proxy.routing.exchange_verdict.exchange_verdict`; ``None``: no claim)."""
         if verdict is not None:
             self._admission.report(engine, verdict.ok, verdict.reason, verdict.detail, status=verdict.status)
 

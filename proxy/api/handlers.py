@@ -23,7 +23,7 @@ LightLLM's native routes, pass-through), as five named steps; the routes
    the engine it is given then: its client sees only the later answer.
 5. **account** (:func:`_settle`, the ``async with``'s exit, :func:`handle_generation`):
    the engine's health verdict (:meth:`_Attempt.judge`, the one caller of
-   :func:`proxy.routing.engine_health.exchange_verdict`); the upstream released, or
+   :func:`proxy.routing.exchange_verdict.exchange_verdict`); the upstream released, or
    closed (which aborts the generation) unless its answer was read to the end; the
    ticket trued up with the real token counts and released; after the answer has gone
    out, the metrics (:meth:`proxy.telemetry.metrics.Metrics.observe_request`) and one
@@ -53,7 +53,7 @@ from ..relay.relay import CLIENT_CLOSED, Exchange
 from ..relay.request_kinds import RequestKind, prompt_prefix
 from ..relay.upstream import UpstreamError
 from ..relay.upstream_body import UpstreamBody, open_upstream, stream_options_of
-from ..routing.engine_health import exchange_verdict
+from ..routing.exchange_verdict import exchange_verdict
 from ..routing.model_routing import Route, model_error
 from ..routing.engine_state import EngineState
 from ..routing.placement import affinity_key
@@ -232,7 +232,7 @@ class _Attempt:
     def judge(self, admitted: Admitted, ex: Exchange, kind: RequestKind, error: UpstreamError | None = None) -> None:
         """Tell the engine's health what this exchange says of it: ``error``, the open
         that failed; else the answer as relayed (nothing when none was opened). The one
-        call of :func:`proxy.routing.engine_health.exchange_verdict`."""
+        call of :func:`proxy.routing.exchange_verdict.exchange_verdict`."""
         if error is not None:
             verdict = exchange_verdict(None, True, error.message, unsent=error.unsent, timed_out=error.status == 504)
         elif self.upstream is None:

@@ -12,8 +12,9 @@ an engine is fit to serve.
 * :mod:`.placement`: which of the engines that fit a request goes to (``least_headroom``,
   ``round_robin``, affinity by rendezvous hashing).
 * :mod:`.engine_health`: when an engine leaves rotation and comes back (a pure state
-  machine, and the task that sends its checks and probes), and the verdict one
-  request's outcome is for its engine (:func:`~.engine_health.exchange_verdict`).
+  machine); :mod:`.health_checker`: the tasks that send its active checks and probes;
+  :mod:`.exchange_verdict`: the verdict one request's outcome is for its engine
+  (:func:`~.exchange_verdict.exchange_verdict`).
 * :mod:`.engine_meter`: each engine's time to first token and per output token, as the
   proxy measures them (the capacity controller's input).
 * :mod:`.engine_metrics`: the engines' Prometheus series, read from the routers.

@@ -1,9 +1,9 @@
 """Engine health: when an engine leaves rotation and when it comes back.
 
-Two parts: :class:`EngineHealth`, a pure state machine per engine (no I/O, injected clock
-and random source), and :class:`HealthChecker`, the asyncio side that sends the active
-checks and probes it asks for, one task per engine, each sleeping until its next check
-is due or its state changes (an event: no polling loop).
+:class:`EngineHealth` is a pure state machine per engine (no I/O, injected clock and
+random source). The asyncio side that sends the active checks and probes it asks for is
+:class:`proxy.routing.health_checker.HealthChecker`; what one request's outcome tells an
+engine's health is :func:`proxy.routing.exchange_verdict.exchange_verdict`.
 
 The rule (``pools[].health``, :class:`proxy.config.pools.HealthConfig`):
 
@@ -52,17 +52,12 @@ of rotation while its requests finish (:mod:`proxy.routing.router`).
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
-
-import aiohttp
+from collections.abc import Callable
 
 from ..config.pools import HealthConfig
 
@@ -75,88 +70,6 @@ FAILURE_REASONS = ("connect", "reset", "timeout", "http_5xx", "stream_cut")
 #: Version Not Supported`` say the request asked for what the engine does not serve (a
 #: route, a method, a version): the engine answered, as with a 4xx.
 NOT_FAILURE_STATUSES = frozenset({501, 505})
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What this replica tells an engine's health after one exchange with it: the
-    arguments of :meth:`EngineHealth.record_request` (through
-    :meth:`proxy.routing.router.PoolRouter.report`).
-
-    Attributes:
-        ok: the engine answered (4xx included): its failure streak is reset.
-        reason: for a failure, one of :data:`FAILURE_REASONS`.
-        detail: a short description of the failure, for status pages.
-        status: an ``http_5xx`` failure's status, when known.
-    """
-
-    ok: bool
-    reason: str | None = None
-    detail: str = ""
-    status: int | None = None
-
-
-ANSWERED = Verdict(True)
-
-
-def exchange_verdict(
-    answered: int | None,
-    failed: bool = False,
-    detail: str = "",
-    *,
-    unsent: bool = False,
-    timed_out: bool = False,
-    opaque: bool = False,
-    engine_error: bool = False,
-    engine_error_status: int | None = None,
-) -> Verdict | None:
-    """The engine-health verdict of one exchange with an engine: the one place where the
-    passive rule (module docstring) reads a request's outcome.
-
-    What does this replica claim for an engine it skips? Nothing: ``None``. An exchange
-    that heard nothing from the engine and did not fail to reach it (the client left, or
-    the request was preempted, while it waited for the engine's headers; no request was
-    opened) is no evidence either way: no success that would reset the engine's failure
-    streak, no failure that would count toward ejecting it. Nor is an engine the router
-    passed over told anything. (The single-``upstream`` form claims nothing at all: its
-    pool tracks no health, :attr:`proxy.admission.admission.Pool.tracks_health`.)
-
-    Args:
-        answered: the status of the engine's answer once its headers came; ``None``
-            when none came.
-        failed: the exchange failed on the engine's side. Without an answer: the
-            request could not be opened (see ``unsent``, ``timed_out``; else the
-            connection was reset or closed without an answer). With one: the relay ended
-            it as ``upstream_error`` (a stream cut or unfinished, a body that broke, an
-            encoding the proxy cannot read, or an error the engine reported itself: see
-            ``engine_error``); for a pass-through answer, its transfer broke.
-        detail: the failure's short description.
-        unsent: the open failed before any byte reached the engine (``connect``).
-        timed_out: the open got no headers in time (``timeout``).
-        opaque: a pass-through path's answer: its status, any status, says nothing of
-            the engine's health (a 5xx may be that path's own); only a broken transfer.
-        engine_error: the failure was an error the engine reported in its answer (an
-            in-band error event, a JSON error body): the engine answered, as with a 4xx.
-        engine_error_status: the 4xx/5xx that error names, if any: a 5xx is a failure.
-
-    Returns:
-        ``None`` (no claim), :data:`ANSWERED`, or a failure: ``connect``, ``timeout``,
-        ``reset`` (no answer), ``http_5xx`` (a 5xx status, or one the engine named in its
-        answer), ``stream_cut`` (an answer below 400 that broke or ended unfinished).
-    """
-    if answered is None:
-        if not failed:
-            return None
-        return Verdict(False, "connect" if unsent else "timeout" if timed_out else "reset", detail)
-    if opaque:
-        return Verdict(False, "stream_cut", detail) if failed else ANSWERED
-    if answered >= 500:
-        return Verdict(False, "http_5xx", f"answered {answered}", answered)
-    if engine_error_status is not None and engine_error_status >= 500:
-        return Verdict(False, "http_5xx", f"reported a {engine_error_status} error in its answer", engine_error_status)
-    if failed and answered < 400 and not engine_error:
-        return Verdict(False, "stream_cut", detail)
-    return ANSWERED
 
 
 def max_passive_ejections(engines: int, percent: int) -> int:
@@ -391,124 +304,3 @@ class EngineHealth:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
-
-
-class HealthChecker:
-    """Sends the active checks and probes that engines' :class:`EngineHealth` ask for.
-
-    One asyncio task per watched engine. The task sleeps until
-    :meth:`EngineHealth.check_due_in` says a check or probe is due, or until the
-    engine's health changes (its ``on_change`` sets the task's event: a passive ejection
-    moves the next probe), then sends one ``GET`` and reports the result. Nothing runs
-    while nothing is due. Each check opens a fresh connection (``force_close``), so a check
-    proves the engine still accepts connections, and its answer body is read to at most
-    64 KiB.
-
-    An engine is anything with ``name``, ``url``, ``health`` (an :class:`EngineHealth`)
-    and ``spec.kind`` / ``spec.upstream.credential()`` (a :class:`proxy.routing.engine_state.EngineState`).
-
-    ``on_checked``, when given, is called with the engine after each check or probe has
-    been recorded (the proxy dispatches the engine's pool there: room may have come back).
-
-    Create and use it inside a running event loop; :meth:`close` it on shutdown.
-    """
-
-    MAX_BODY = 64 * 1024
-
-    def __init__(self, on_checked: Callable[[Any], None] | None = None) -> None:
-        self._tasks: dict[Any, asyncio.Task] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self.on_checked = on_checked
-
-    @property
-    def watched(self) -> list[Any]:
-        """The engines being watched."""
-        return list(self._tasks)
-
-    def sync(self, engines: Iterable[Any]) -> None:
-        """Watch exactly ``engines`` (all engines in rotation or ejected, across pools):
-        start tasks for new ones, stop those of engines no longer listed."""
-        keep = {e for e in engines if not getattr(e, "draining", False)}
-        for e in list(self._tasks):
-            if e not in keep:
-                self.unwatch(e)
-        for e in keep:
-            self.watch(e)
-
-    def watch(self, engine: Any) -> None:
-        """Start checking ``engine`` (a no-op when it is watched already)."""
-        if engine not in self._tasks:
-            self._tasks[engine] = asyncio.get_running_loop().create_task(self._run(engine), name=f"llm-qos health {engine.name}")
-
-    def unwatch(self, engine: Any) -> None:
-        """Stop checking ``engine`` (its task is cancelled)."""
-        task = self._tasks.pop(engine, None)
-        if task is not None:
-            task.cancel()
-
-    async def close(self) -> None:
-        """Stop every task and close the checks' connections."""
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _run(self, engine: Any) -> None:
-        health: EngineHealth = engine.health
-        wake = asyncio.Event()
-        health.on_change = wake.set
-        try:
-            while True:
-                wake.clear()
-                due = health.check_due_in()
-                if due is None:
-                    await wake.wait()
-                    continue
-                if due > 0:
-                    try:
-                        async with asyncio.timeout(due):
-                            await wake.wait()
-                    except TimeoutError:
-                        pass
-                    continue
-                ok, detail = await self.check(engine)
-                if self._tasks.get(engine) is not asyncio.current_task():
-                    return  # unwatched while the check was in flight
-                health.record_check(ok, detail)
-                if self.on_checked is not None:
-                    self.on_checked(engine)  # an engine back in rotation: dispatch its pool
-        finally:
-            if health.on_change == wake.set:
-                health.on_change = None
-
-    async def check(self, engine: Any) -> tuple[bool, str]:
-        """One ``GET`` of ``engine``'s check path. Returns ``(passed, detail)``: passed
-        on a 2xx answer within ``check_timeout_s``; detail says what went wrong."""
-        cfg: HealthConfig = engine.health.config
-        path = check_path_for(cfg, engine.spec.kind)
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True, limit=0),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=True,
-            )
-        headers = {"Accept": "application/json"}
-        key = engine.spec.upstream.credential()
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        try:
-            async with asyncio.timeout(cfg.check_timeout_s):
-                async with self._session.get(engine.url + path, headers=headers, allow_redirects=False) as resp:
-                    await resp.content.read(self.MAX_BODY)
-                    status = resp.status
-        except TimeoutError:
-            return False, f"GET {path}: no answer within {cfg.check_timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as e:
-            return False, f"GET {path}: {type(e).__name__}: {e}"
-        if 200 <= status < 300:
-            return True, ""
-        return False, f"GET {path} answered {status}"

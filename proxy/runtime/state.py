@@ -12,7 +12,7 @@ from ..admission.admission import Admission, Pool, Preemption
 from ..admission.lease_binding import BoundPool, LeaseBinding
 from ..config.schema import Config
 from ..config.loading import with_upstream_urls
-from ..routing.engine_health import HealthChecker
+from ..routing.health_checker import HealthChecker
 from ..admission.identity import IdentityResolver
 from ..telemetry.metrics import Metrics, SharedStateCollector
 from ..routing.model_routing import ModelTable
