@@ -10,7 +10,8 @@ import random
 import pytest
 
 from proxy.wire import sse
-from proxy.wire.sse import EventTooLarge, SSEScanner, UsageStripper, parse_event
+from proxy.wire.sse import EventTooLarge, SSEScanner, parse_event
+from proxy.wire.usage_strip import UsageStripper, strip_usage
 
 NULL_USAGE = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"h\xc3\xa9"},"finish_reason":null}],"usage":null}\n\n'
 USAGE_ONLY = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":31,"total_tokens":40}}\n\n'
@@ -96,8 +97,8 @@ def test_the_stripper_removes_only_what_include_usage_added():
     ]:
         assert UsageStripper().feed(sent) == left
     # "usage": null as the only member, or beside a nested "usage": only the top one goes
-    assert sse.strip_usage(b'data: {"usage":null}\n\n') == b"data: {}\n\n"
-    nested = sse.strip_usage(b'data: {"a":{"usage":null},"usage":null}\n\n')
+    assert strip_usage(b'data: {"usage":null}\n\n') == b"data: {}\n\n"
+    nested = strip_usage(b'data: {"a":{"usage":null},"usage":null}\n\n')
     assert json.loads(parse_event(nested)[1]) == {"a": {"usage": None}}
 
 

@@ -5,7 +5,7 @@ bytes (aiohttp's ``write`` waits while the client's socket buffer is full, so a 
 reader holds back the upstream instead of growing our memory). An :class:`~proxy.wire.sse.SSEScanner`
 follows the events beside the relay to count output tokens, pick up ``usage``, and see
 how the stream ends. When the proxy asked for usage the client did not, a
-:class:`~proxy.wire.sse.UsageStripper` removes it first (``proxy.relay.upstream_body``).
+:class:`~proxy.wire.usage_strip.UsageStripper` removes it first (``proxy.relay.upstream_body``).
 
 The relay tells the truth about how a stream ended (``shared/interop/lightllm.md``,
 ``shared/interop/cpu-engine.md``):
@@ -47,7 +47,8 @@ from aiohttp import web
 from ..wire.errors import error_status
 from ..telemetry.metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREAM_ERROR
 from ..wire.headers import REQUEST_ID, client_headers, content_coding
-from ..wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, UsageStripper, error_of
+from ..wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, error_of
+from ..wire.usage_strip import UsageStripper
 
 #: a stream's output count goes to the scheduler and the engine's meter at most this often
 #: (seconds), after its first token at once: a fast engine's tokens (1 ms apart) cost one

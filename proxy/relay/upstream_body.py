@@ -9,7 +9,7 @@ routes:
 * ``upstream.stream_usage``: a streaming request whose client did not ask for
   ``stream_options.include_usage`` is sent with it, so the engine reports the real token
   count that trues up the fair-share counters; the relay removes that usage again
-  (:class:`proxy.wire.sse.UsageStripper`).
+  (:class:`proxy.wire.usage_strip.UsageStripper`).
 
 An engine may reject ``stream_options`` (an older server with a strict schema). The
 proxy then does not pass that 400 on for a valid request: when the rejection (400, 417

@@ -9,6 +9,8 @@
 * :mod:`.prompt_prefix`: the start of a request's prompt, for engine affinity.
 * :mod:`.sse`: server-sent events as engines send them, and the scanner that follows a
   stream for tokens, usage, its end and errors.
+* :mod:`.usage_strip`: the usage the proxy asked for and the client did not, taken out
+  of a stream again.
 * :mod:`.responses_answer`: the Responses API's answers: a response's usage, and the
   scanner of its typed event stream.
 * :mod:`.headers`: which headers cross the proxy in each direction, and the request id.
