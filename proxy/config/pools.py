@@ -2,6 +2,11 @@
 is given an engine. The schema of those keys lives here, once; :mod:`proxy.config.schema` imports
 it (this module imports nothing of ours, so there is no cycle).
 
+One concept over 400 lines: the ``pools:`` keys, defined once (the pydantic models, each
+key with its check and its error text) and resolved into what routing uses
+(:class:`PoolSpec`, :class:`EngineSpec`); the models and their resolution change
+together whenever a key is added.
+
 Two forms, one meaning:
 
 * **Single upstream** (the original form): ``upstream:`` names one engine, which serves

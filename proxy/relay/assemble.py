@@ -1,5 +1,9 @@
 """Assemble a non-streaming OpenAI answer from the upstream's stream.
 
+One concept over 400 lines: one non-streaming answer rebuilt from a stream, for the chat,
+completion and Responses formats; most of it is the merge rules for fragments (tool calls,
+logprobs) that engines send differently, listed below and applied here.
+
 With ``upstream.stream_non_streaming: true`` the proxy asks the upstream to stream every
 request and rebuilds the whole answer for clients that did not ask for a stream. Why: some
 engines abort a generation when its connection closes only while streaming (the bundled

@@ -1,5 +1,10 @@
 """Relaying one upstream answer to the client, and counting its tokens on the way.
 
+One concept over 400 lines: relaying one answer, streamed or whole, with the truth
+about how it ended; the rules for every way a stream can end (the list below) meet in
+:func:`relay_stream`, and the counts it keeps (:class:`Exchange`) are what its callers
+read, so splitting them would part each rule from the place it is applied.
+
 Streaming: every chunk the upstream sends is written to the client as it arrives, as
 bytes (aiohttp's ``write`` waits while the client's socket buffer is full, so a slow
 reader holds back the upstream instead of growing our memory). An :class:`~proxy.wire.sse.SSEScanner`
