@@ -15,6 +15,7 @@ from aiohttp import web
 from ..config.schema import SECRET_FIELDS
 from ..wire.errors import error_response
 from ..config.pools import public_url
+from ..telemetry.objectives import objectives_status
 from .handlers import STATE
 
 REDACTED = "***"
@@ -74,7 +75,9 @@ async def status(request: web.Request) -> web.Response:
     in flight, load, routed requests, ejections: :meth:`proxy.routing.engine_state.EngineState.status`);
     see :meth:`proxy.admission.admission.Admission.snapshot`; and ``shared_state``: the shared
     state's mode, live replicas, grants per capacity key, syncs and the last sync's age
-    and round trip (``docs/scaling.md``)."""
+    and round trip (``docs/scaling.md``); and ``objectives``: each group's latency
+    objectives over their window, overall and per engine
+    (:func:`proxy.telemetry.objectives.objectives_status`)."""
     if (denied := check_admin(request)) is not None:
         return denied
     raw = request.query.get("top", "")
@@ -86,6 +89,7 @@ async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     snap = state.admission.snapshot(top_users=top)
     snap["shared_state"] = state.shared.status()  # mode, grants per key, last sync age
+    snap["objectives"] = objectives_status(state.objectives.report(time.monotonic()))
     return web.json_response(snap)
 
 

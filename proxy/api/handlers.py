@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
 from qos import RefusalReason, Refused
+from qos.objectives import TPOT, TTFT
 
 from ..admission.admission import Pool
 from ..admission.admitted import Admitted
@@ -60,6 +62,7 @@ from ..routing.placement import affinity_key
 from ..runtime.state import ActiveConfig, ProxyState
 from ..telemetry import metrics as m
 from ..telemetry.access_log import log_access
+from ..telemetry.objectives import TokenTimes
 from ..wire.errors import error_response, refusal_response, retry_after_seconds
 from ..wire.headers import REQUEST_ID, origin_form, request_id_of, trace_headers
 from ..wire.request_body import BadRequest, ParsedRequest
@@ -220,14 +223,16 @@ class _Attempt:
         engine: the engine it is sent to (changes on a reroute or a requeue).
         upstream: the engine's response once opened, else ``None``.
         aborted: the upstream request was closed under a generation (a metric).
+        tokens: when its stream's output tokens came (the time per output token).
     """
 
-    __slots__ = ("engine", "upstream", "aborted")
+    __slots__ = ("engine", "upstream", "aborted", "tokens")
 
     def __init__(self, engine: EngineState) -> None:
         self.engine = engine
         self.upstream: aiohttp.ClientResponse | None = None
         self.aborted = False
+        self.tokens = TokenTimes(asyncio.get_running_loop().time)
 
     def judge(self, admitted: Admitted, ex: Exchange, kind: RequestKind, error: UpstreamError | None = None) -> None:
         """Tell the engine's health what this exchange says of it: ``error``, the open
@@ -249,6 +254,11 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
     """Steps 3 and 4 on the admitted engine, once per dispatch (a preempted request waits
     in its queue, then goes again), then :func:`_settle`."""
     att = _Attempt(admitted.engine)
+
+    def progress(output_tokens: int) -> None:
+        att.tokens.progress(output_tokens)
+        admitted.record_output(output_tokens)
+
     try:
         while True:
             try:
@@ -258,7 +268,7 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                 engine, limits = att.engine, req.active.config.limits
                 return await relay_answer(
                     request, att.upstream, ex, req.kind, req.parsed, plan, base_url=engine.url, lightllm=req.kind.native or engine.kind == "lightllm",
-                    write_timeout_s=limits.client_write_timeout_s, on_progress=admitted.record_output, show=admitted.show,
+                    write_timeout_s=limits.client_write_timeout_s, on_progress=progress, show=admitted.show,
                     hold_headers=admitted.holds_headers,  # with preemption on, a stream's headers wait for its first event
                 )
             except asyncio.CancelledError:
@@ -271,6 +281,7 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                 att.upstream = None
             state.metrics.upstream_aborts.labels(m.ABORT_PREEMPTED).inc()
             ex.forget_attempt(admitted.preemptions)
+            att.tokens.forget()
             att.aborted = False
             try:
                 att.engine = await admitted.requeue()
@@ -342,6 +353,24 @@ def _settle(ex: Exchange, req: _Resolved, admitted: Admitted, att: _Attempt, sta
     if ex.output_tokens == 0 and ex.outcome in _NOTHING_SERVED:
         ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
     admitted.true_up(ex.prompt_tokens, ex.output_tokens)
+    _observe_objectives(ex, req, att, state)
+
+
+def _observe_objectives(ex: Exchange, req: _Resolved, att: _Attempt, state: ProxyState) -> None:
+    """Record a streamed answer's latency in its group's objectives on its engine
+    (:mod:`qos.objectives`): its time to first token from arrival (queue included) when
+    a first byte was relayed, and its time per output token when measured
+    (:class:`proxy.telemetry.objectives.TokenTimes`). Only streams (a client that asked
+    ``stream: true``): a non-streaming answer's first byte is its whole answer."""
+    tracker = state.objectives
+    if ex.group not in tracker.objectives or not req.parsed.stream:
+        return
+    now, engine = time.monotonic(), (att.engine.spec.pool, att.engine.name)
+    if ex.first_byte_at is not None:
+        tracker.observe(now, ex.group, engine, TTFT, ex.first_byte_at - ex.arrived_at)
+    tpot = att.tokens.tpot_s()
+    if tpot is not None:
+        tracker.observe(now, ex.group, engine, TPOT, tpot)
 
 
 def _dispatched(ex: Exchange, admitted: Admitted) -> None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 from qos.capacity_control import ControlSettings
+from qos.objectives import DEFAULT_WINDOW_S, OBJECTIVES, Objective
 
 from .pools import PassthroughConfig, PoolConfig, PoolSpec, base_url, check_pools, resolve_pools
 
@@ -333,7 +334,13 @@ class GroupConfig(_Model):
     ``max_tokens`` caps the output a request of this group may ask for (see
     ``limits.max_tokens_action``). ``headroom``: the fraction of each engine's capacity
     this group may not fill, kept free for the groups above it (default: 0.05 for each
-    group above it, at most 0.10; the top group 0: :meth:`Config.headroom_of`)."""
+    group above it, at most 0.10; the top group 0: :meth:`Config.headroom_of`).
+
+    Latency objectives (:mod:`qos.objectives`; measured and reported, not enforced):
+    ``ttft_target_s``, time to first token from arrival (queue included), and
+    ``tpot_target_s``, time per output token, each met by ``ttft_percentile`` /
+    ``tpot_percentile`` percent of the group's requests (default 95, in (0, 100)). A
+    percentile without its target is refused. No target: nothing is measured."""
 
     name: str = Field(min_length=1)
     users: list[UserConfig] = []
@@ -343,6 +350,36 @@ class GroupConfig(_Model):
     default_user_weight: float = Field(default=1.0, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
     headroom: float | None = Field(default=None, ge=0, le=0.9)
+    ttft_target_s: float | None = Field(default=None, gt=0, le=3600)
+    ttft_percentile: float = Field(default=95.0, gt=0, lt=100)
+    tpot_target_s: float | None = Field(default=None, gt=0, le=3600)
+    tpot_percentile: float = Field(default=95.0, gt=0, lt=100)
+
+    @model_validator(mode="after")
+    def _percentile_with_target(self) -> "GroupConfig":
+        for name in OBJECTIVES:
+            if f"{name}_percentile" in self.model_fields_set and getattr(self, f"{name}_target_s") is None:
+                raise ValueError(f"{name}_percentile is set without {name}_target_s")
+        return self
+
+    def objectives(self) -> tuple[Objective, ...]:
+        """This group's latency objectives (none, one or both of ``ttft``, ``tpot``)."""
+        out = []
+        for name in OBJECTIVES:
+            target = getattr(self, f"{name}_target_s")
+            if target is not None:
+                out.append(Objective(name, target, getattr(self, f"{name}_percentile")))
+        return tuple(out)
+
+
+class ObjectivesConfig(_Model):
+    """How the groups' latency objectives are measured (:mod:`qos.objectives`).
+
+    ``window_s`` (60): the sliding window attainment and the measured percentile cover,
+    seconds (5..3600). A reload that changes it starts every objective's window afresh.
+    """
+
+    window_s: float = Field(default=DEFAULT_WINDOW_S, ge=5, le=3600)
 
 
 class SharedStateConfig(_Model):
@@ -410,6 +447,7 @@ class Config(_Model):
     # several engines and models: proxy/config/pools.py (None: the single ``upstream`` form)
     pools: list[PoolConfig] | None = Field(default=None, min_length=1)
     passthrough: PassthroughConfig = PassthroughConfig()
+    objectives: ObjectivesConfig = ObjectivesConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -442,6 +480,10 @@ class Config(_Model):
             if g.name == name:
                 return g
         raise KeyError(name)
+
+    def group_objectives(self) -> dict[str, tuple[Objective, ...]]:
+        """group name -> its latency objectives, for the groups that have any."""
+        return {g.name: objs for g in self.groups if (objs := g.objectives())}
 
     def headroom_of(self, rank: int) -> float:
         """The ``headroom`` of the group at ``rank`` (0: the top): its own when set, else

@@ -7,6 +7,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from qos.objectives import ObjectiveTracker
+
 from ..routing import engine_metrics
 from ..admission.admission import Admission, Pool, Preemption
 from ..admission.lease_binding import BoundPool, LeaseBinding
@@ -15,6 +17,7 @@ from ..config.loading import with_upstream_urls
 from ..routing.health_checker import HealthChecker
 from ..admission.identity import IdentityResolver
 from ..telemetry.metrics import Metrics, SharedStateCollector
+from ..telemetry.objectives import ObjectivesCollector
 from ..routing.model_routing import ModelTable
 from ..config.pools import public_url
 from ..routing.engine_state import EngineState
@@ -94,6 +97,9 @@ class ProxyState:
         engine_metrics.register(self.metrics.registry, self.admission.routers)
         self.admission.on_preempt = self._preempted
         self.metrics.registry.register(SharedStateCollector(self.shared, self._lease_keys))
+        # the groups' latency objectives, measured per (group, engine) on time.monotonic
+        self.objectives = ObjectiveTracker(config.group_objectives(), config.objectives.window_s)
+        self.metrics.registry.register(ObjectivesCollector(lambda: self.objectives, time.monotonic))
         self.health: HealthChecker | None = None  # created on startup, inside the loop
         self.started = False
         self.on_engines_synced: list = []  # called (no arguments) after every sync_engines
@@ -134,6 +140,7 @@ class ProxyState:
         self.admission.reconfigure(policy, pools)
         self.admission.preemption = _preemption(config)
         self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
+        self.objectives.configure(config.group_objectives(), config.objectives.window_s)
         self.sync_engines()
         self.active = ActiveConfig(config, identity, digest, models=models)
         self.last_error = None
