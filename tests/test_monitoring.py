@@ -129,8 +129,8 @@ def test_every_file_has_queries():
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """A fake upstream, a proxy process (two groups, one with a min_share floor, a
-    rate-limited user) and Prometheus scraping it every second with the alert rules."""
+    """A fake upstream, a proxy process (two groups, one with a min_share floor, one
+    with latency objectives, a rate-limited user) and Prometheus scraping it every second with the alert rules."""
     tmp = tmp_path_factory.mktemp("monitoring")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     procs: list[subprocess.Popen] = []
@@ -146,7 +146,8 @@ def live(tmp_path_factory):
             "admission": {"max_inflight": 4},
             "default_group": "bronze",
             "groups": [
-                {"name": "platinum", "users": [{"id": "alice", "api_key": "sk-alice"}, {"id": "bob", "api_key": "sk-bob", "rate_limit": {"requests_per_minute": 1}}]},
+                {"name": "platinum", "users": [{"id": "alice", "api_key": "sk-alice"}, {"id": "bob", "api_key": "sk-bob", "rate_limit": {"requests_per_minute": 1}}],
+                 "ttft_target_s": 5, "tpot_target_s": 1},
                 {"name": "bronze", "min_share": 0.25},
             ],
         }
@@ -173,6 +174,7 @@ def live(tmp_path_factory):
         # some traffic between scrapes: served requests, a rate-limit refusal, a bad request
         for key in ("sk-alice", "sk-alice", "sk-bob", "sk-bob", None):
             _post(px_url, key)
+        _post(px_url, "sk-alice", stream=True)  # measured in platinum's latency objectives
         _wait(lambda: _query(prom_url, "count_over_time(up[1m])") and float(_query(prom_url, "count_over_time(up[1m])")[0]["value"][1]) >= 3,
               "three scrapes", tmp / "prometheus.log")
         for key in ("sk-alice", None):
@@ -196,8 +198,8 @@ def live(tmp_path_factory):
                 p.stdout.close()
 
 
-def _post(url: str, key: str | None) -> None:
-    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+def _post(url: str, key: str | None, stream: bool = False) -> None:
+    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     try:
         with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers), timeout=30) as r:
