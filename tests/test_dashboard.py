@@ -43,6 +43,7 @@ def _config(upstream: str) -> dict:
                     {"id": "alice", "weight": 3, "api_key": "sk-alice"},
                     {"id": "bob", "weight": 1, "api_key": "sk-bob", "rate_limit": {"requests_per_minute": 2}},
                 ],
+                "ttft_target_s": 5,
             },
             {"name": "bronze", "min_share": 0.2, "users": [{"id": "carl", "weight": 1, "api_key": "sk-carl"}]},
         ],
@@ -280,3 +281,25 @@ def test_a_new_tab_shows_the_proxys_history_with_axes_at_once(proxy):
         for name in ("ttft_s", "tpot_s"):
             assert field(page, engine, name).count() == 1
         expect(page.locator("#reload")).to_contain_text("none since start-up")
+
+
+def test_the_dashboard_shows_each_objectives_attainment_and_charts_it(proxy):
+    """Streamed requests of a group with a TTFT objective: the page's objectives row shows
+    what /admin/status says (attainment, requests), and the attainment chart draws it."""
+    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}).encode()
+    for _ in range(3):
+        req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=body, headers={"Authorization": "Bearer sk-alice", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+    ttft = status(proxy)["objectives"]["platinum"]["ttft"]
+    assert (ttft["overall"]["requests"], ttft["overall"]["attainment"]) == (3, 1.0)
+    with sync_playwright() as pw, launch_chromium(pw) as browser:
+        page = browser.new_page()
+        connect(page, proxy)
+        row = '#objectives tr[data-group="platinum"][data-objective="ttft"]'
+        expect(field(page, row, "attainment")).to_contain_text("100.0 % ≥ 95.0 %", timeout=UI_TIMEOUT_MS)
+        expect(field(page, row, "requests")).to_have_text("3")
+        expect(field(page, row, "target")).to_have_text("5.0 s p95.0")
+        assert page.locator("#objectives tr[data-group]").count() == 1  # bronze has no objectives
+        expect(page.locator("#chart-objectives polyline")).to_have_count(1, timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#chart-objectives-legend")).to_contain_text("platinum ttft")

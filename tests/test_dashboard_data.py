@@ -171,3 +171,30 @@ async def test_chart_points_carry_the_traffic_as_it_passed(make_stack, http, mon
         points = (await r.json())["history"]["points"]
     assert max(p["tokens_per_s"].get("bronze") or 0.0 for p in points) > 0
     assert all((p["tokens_per_s"].get("platinum") or 0.0) == 0.0 for p in points)
+
+
+async def test_objectives_show_with_their_attainment_and_in_the_chart_points(make_stack, http, monkeypatch):
+    """A group with a TTFT objective its streams miss and a TPOT objective they meet: the
+    dashboard's data gives both as /admin/status does, and its chart points follow the
+    attainment; a group without objectives is not listed."""
+    monkeypatch.setenv("LLM_QOS_ADMIN_KEY", "adm-1")
+    monkeypatch.setattr(dashboard_data, "SAMPLE_INTERVAL_S", 0.05)
+    cfg = base_config("http://unused")
+    cfg["groups"][1].update(ttft_target_s=0.05, tpot_target_s=0.5, tpot_percentile=90)
+    st = await make_stack(config=cfg)
+    for _ in range(4):
+        async with http.post(st.proxy_url + "/v1/chat/completions", json=st.chat_body(6, stream=True, ttft_s=0.1, itl_s=0.01), headers={"Authorization": "Bearer sk-carl"}) as r:
+            assert r.status == 200
+            await r.read()
+    await asyncio.sleep(0.2)
+    async with http.get(st.proxy_url + "/admin/dashboard.json", headers=ADMIN) as r:
+        d = await r.json()
+    async with http.get(st.proxy_url + "/admin/status", headers=ADMIN) as r:
+        status = (await r.json())["objectives"]
+    obj = d["objectives"]
+    assert set(obj) == {"bronze"} and set(obj["bronze"]) == {"ttft", "tpot"}
+    ttft, tpot = obj["bronze"]["ttft"], obj["bronze"]["tpot"]
+    assert (ttft["overall"]["requests"], ttft["overall"]["attainment"], ttft["met"]) == (4, 0.0, False)
+    assert (tpot["overall"]["requests"], tpot["overall"]["attainment"], tpot["met"], tpot["percentile"]) == (4, 1.0, True, 90)
+    assert status == obj
+    assert d["history"]["points"][-1]["objectives"] == {"bronze": {"ttft": 0.0, "tpot": 1.0}}

@@ -11,7 +11,8 @@ and the reload counters.
 **History is sampled continuously**, from start-up, whether or not a page is open: a
 timer takes a sample every :data:`SAMPLE_INTERVAL_S` seconds (the counters' cumulative
 values, for the rates; and one chart point: queued and in-flight requests, tokens per
-second per group, each engine's in flight, TTFT and TPOT), in two bounded ring buffers:
+second per group, each engine's in flight, TTFT and TPOT, each latency objective's
+attainment), in two bounded ring buffers:
 the samples of the last :data:`WINDOW_S` seconds, and the last :data:`HISTORY_POINTS`
 chart points (five minutes). A sample costs one read of the counters and of the engines'
 status (no per-user work: about 1 ms with two groups and one engine, measured; most of
@@ -39,10 +40,14 @@ Shape (``version`` 2; times in seconds, shares as fractions 0..1, ``null`` when 
                   "ttft_s", "tpot_s" (null until measured), "routed", "failed" (since start),
                   "routed_per_s", "failed_per_s" (over the window), ...}],
      "refusals": {"total", "per_s", "by_reason": {reason: n}, "by_group": {group: {reason: n}}},
+     "objectives": {group: {"ttft" | "tpot": {"target_s", "percentile", "met", "overall",
+                    "engines"}}} (the groups' latency objectives over their window, as
+                    ``/admin/status``: :func:`proxy.telemetry.objectives.objectives_status`),
      "history": {"id" (this process's sampler), "interval_s", "max_points", "full" (every
                  point kept, else only those after ``since``), "points": [{"seq", "t" (Unix),
                  "queued", "inflight", "tokens_per_s": {group: x}, "refusals_per_s",
-                 "engines": {id: {"inflight", "ttft_s", "tpot_s"}}}]}}
+                 "engines": {id: {"inflight", "ttft_s", "tpot_s"}},
+                 "objectives": {group: {"ttft" | "tpot": attainment over all its engines}}}]}}
 
 "Service" is what the scheduler shares out: tokens weighted as it counts them
 (``prompt * cost.input_weight + completion * cost.output_weight``). A group's
@@ -72,6 +77,7 @@ from typing import Callable
 from ..runtime.load_signal import LoadSignal
 from ..runtime.state import ProxyState
 from ..telemetry.metrics import RELOAD_ERROR, RELOAD_OK, oldest_waits
+from ..telemetry.objectives import objectives_status
 from .dashboard_samples import (
     CumulativeHistogram,
     Sample,
@@ -188,6 +194,10 @@ class Dashboard:
                 "tokens_per_s": {g: (round(v / dt, 3) if dt > 0 else None) for g, v in tokens.items()},
                 "refusals_per_s": round(refused / dt, 3) if dt > 0 else None,
                 "engines": {engine_id(r): {"inflight": r["inflight"], "ttft_s": r.get("ttft_s"), "tpot_s": r.get("tpot_s")} for r in rows},
+                "objectives": {
+                    group: {name: rep.overall.attainment for name, rep in objs.items()}
+                    for group, objs in self._state.objectives.report(time.monotonic()).items()
+                },
             }
         )
 
@@ -301,6 +311,7 @@ class Dashboard:
             "users": self.users(snap, now),
             "engines": self.engines(rows, current, base),
             "refusals": {"total": total_refusals, "per_s": rate(total_refusals), "by_reason": by_reason, "by_group": by_group},
+            "objectives": objectives_status(state.objectives.report(time.monotonic())),
             "history": self.history(since, history_id),
         }
 

@@ -176,8 +176,41 @@
       }),
     );
 
+    renderObjectives(d.objectives || {});
+
     takeHistory(d.history);
-    drawCharts(d.groups.map((g) => g.name), d.engines);
+    drawCharts(d.groups.map((g) => g.name), d.engines, objectiveNames(d.objectives || {}));
+  }
+
+  // [[group, objective], ...] of the groups' latency objectives
+  function objectiveNames(objectives) {
+    return Object.entries(objectives).flatMap(([g, objs]) => Object.keys(objs).map((o) => [g, o]));
+  }
+
+  function renderObjectives(objectives) {
+    const rows = objectiveNames(objectives);
+    $("#objectives-section").hidden = rows.length === 0;
+    $("#objectives tbody").replaceChildren(
+      ...rows.map(([g, o]) => {
+        const ob = objectives[g][o];
+        const goal = ob.percentile / 100;
+        const att = ob.overall.attainment;
+        const engines = Object.entries(ob.engines)
+          .map(([id, r]) => `${id} ${pct(r.attainment)}`)
+          .join(", ");
+        return el(
+          "tr",
+          { "data-group": g, "data-objective": o },
+          cell("group", g),
+          cell("objective", o === "ttft" ? "TTFT" : "TPOT"),
+          cell("target", `${secs(ob.target_s)} p${num(ob.percentile, 1)}`, "num"),
+          cell("attainment", bar(att, goal, att === null ? "no requests" : `${pct(att)} ≥ ${pct(goal)}`, ob.met === false), "share"),
+          cell("measured", secs(ob.overall.measured_s), "num"),
+          cell("requests", num(ob.overall.requests), "num"),
+          cell("engines", engines || dash),
+        );
+      }),
+    );
   }
 
   function renderReload(r) {
@@ -276,7 +309,7 @@
     $("#" + id).replaceChildren(...names.flatMap((n, i) => [el("i", { class: "swatch c" + (i % 6) }), n + " "]), el("span", { class: "muted" }, unit));
   }
 
-  function drawCharts(groups, engines) {
+  function drawCharts(groups, engines, objectives) {
     chart("chart-requests", [{ values: history.map((h) => h.queued), cls: "c0" }, { values: history.map((h) => h.inflight), cls: "c1" }], plain);
     chart("chart-tokens", groups.map((g, i) => ({ values: history.map((h) => (h.tokens_per_s[g] === undefined ? null : h.tokens_per_s[g])), cls: "c" + (i % 6) })), plain);
     legend("chart-tokens-legend", groups, "(tokens / s)");
@@ -284,6 +317,12 @@
     for (const [field, id, unit] of [["ttft_s", "chart-ttft", "(time to first token)"], ["tpot_s", "chart-tpot", "(time per output token)"]]) {
       chart(id, engines.map((e, i) => ({ values: history.map((h) => (h.engines[e.id] ? h.engines[e.id][field] : null)), cls: "c" + (i % 6) })), ms);
       legend(id + "-legend", engines.map(label), unit);
+    }
+    $("#chart-objectives-figure").hidden = objectives.length === 0;
+    if (objectives.length) {
+      const att = (h, g, o) => (h.objectives && h.objectives[g] && h.objectives[g][o] !== undefined ? h.objectives[g][o] : null);
+      chart("chart-objectives", objectives.map(([g, o], i) => ({ values: history.map((h) => att(h, g, o)), cls: "c" + (i % 6) })), (v) => pct(v));
+      legend("chart-objectives-legend", objectives.map(([g, o]) => `${g} ${o}`), "(attainment: requests within target)");
     }
   }
 
