@@ -3,6 +3,8 @@
 * :mod:`.metrics`: every Prometheus name of the requests, groups, tokens, refusals and
   reloads, defined once, and the merge of the workers' expositions. (The engines' own
   series are read from the routers: :mod:`proxy.routing.engine_metrics`.)
+* :mod:`.objectives`: the groups' latency objectives: a stream's time per output token,
+  their series, their status.
 * :mod:`.access_log`: the access log's line, one JSON object per request.
 * :mod:`.log_format`: how the access log (one JSON object a line) and the diagnostic log
   are written.
