@@ -202,3 +202,12 @@ def test_a_bad_window_and_an_unknown_objectives_key_are_refused():
     for objectives in ({"window_s": 1}, {"window_s": 0}, {"window": 60}):
         with pytest.raises(ValidationError):
             Config.model_validate({"default_group": "a", "groups": [{"name": "a"}], "objectives": objectives})
+
+
+def test_a_config_read_back_from_its_dump_is_the_same_config():
+    """``--upstream`` rebuilds the config from its dump (every key then written): a group
+    without objectives must still read (it was refused: "ttft_percentile is set without
+    ttft_target_s", and the proxy would not start)."""
+    for c in (_config(), _config(ttft_target_s=0.5, ttft_percentile=99)):
+        again = Config.model_validate(c.model_dump())
+        assert again == c

@@ -328,6 +328,9 @@ class UserConfig(_Model):
         return self.api_key_sha256
 
 
+DEFAULT_OBJECTIVE_PERCENTILE = 95.0  # groups[].ttft_percentile / tpot_percentile when unset
+
+
 class GroupConfig(_Model):
     """One priority class; groups are listed highest priority first.
 
@@ -351,14 +354,16 @@ class GroupConfig(_Model):
     max_tokens: int | None = Field(default=None, ge=1)
     headroom: float | None = Field(default=None, ge=0, le=0.9)
     ttft_target_s: float | None = Field(default=None, gt=0, le=3600)
-    ttft_percentile: float = Field(default=95.0, gt=0, lt=100)
+    ttft_percentile: float = Field(default=DEFAULT_OBJECTIVE_PERCENTILE, gt=0, lt=100)
     tpot_target_s: float | None = Field(default=None, gt=0, le=3600)
-    tpot_percentile: float = Field(default=95.0, gt=0, lt=100)
+    tpot_percentile: float = Field(default=DEFAULT_OBJECTIVE_PERCENTILE, gt=0, lt=100)
 
     @model_validator(mode="after")
     def _percentile_with_target(self) -> "GroupConfig":
         for name in OBJECTIVES:
-            if f"{name}_percentile" in self.model_fields_set and getattr(self, f"{name}_target_s") is None:
+            # by value, not by which keys were written: a config dumped and read again
+            # (``--upstream`` rebuilds it so) must read the same
+            if getattr(self, f"{name}_percentile") != DEFAULT_OBJECTIVE_PERCENTILE and getattr(self, f"{name}_target_s") is None:
                 raise ValueError(f"{name}_percentile is set without {name}_target_s")
         return self
 
