@@ -20,7 +20,7 @@ class TokenBucket:
     lets the caller charge an estimate first and correct it later with :meth:`adjust`.
 
     This is the one statement of the rule in Python: the refill (:meth:`refilled`) and the
-    wait (:meth:`wait_for`) are also what :class:`proxy.shared.rate_limits.Mirror` applies
+    wait (:meth:`wait_for`) are also what :class:`proxy.shared.rate_mirror.Mirror` applies
     to levels read from Redis. Its Lua twin, which Redis runs for the shared limits, is
     ``proxy/shared/lua/bucket.lua`` (with the takes and corrections of ``reserve.lua`` and
     ``adjust.lua``); ``tests/test_shared_lua.py`` holds the two to the same answers.

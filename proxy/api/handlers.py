@@ -52,7 +52,8 @@ from ..admission.admitted import Admitted
 from ..relay.answer import relay_answer
 from ..relay.engine_body import engine_plan
 from ..relay.relay import CLIENT_CLOSED, Exchange
-from ..relay.request_kinds import RequestKind, prompt_prefix
+from ..relay.request_kinds import RequestKind
+from ..wire.prompt_prefix import prompt_prefix
 from ..relay.upstream import UpstreamError
 from ..relay.upstream_body import UpstreamBody, open_upstream, stream_options_of
 from ..routing.exchange_verdict import exchange_verdict

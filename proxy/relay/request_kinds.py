@@ -8,9 +8,6 @@ and LightLLM; :mod:`proxy.wire.embeddings_body`, :mod:`proxy.wire.responses_body
 (:class:`proxy.wire.sse.SSEScanner`, :class:`proxy.wire.responses_answer.ResponsesStreamScanner`,
 :class:`proxy.wire.sse.OpaqueStream`): a :class:`~proxy.relay.relay.StreamScanner` for the
 relay beside it.
-
-:func:`prompt_prefix` (:mod:`proxy.wire.prompt_prefix`) is re-exported here for the routes
-(:mod:`proxy.api.handlers`), which import it with the kinds.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from typing import TYPE_CHECKING, Callable
 
 from ..wire.embeddings_body import parse_embeddings
 from ..wire.passthrough_body import parse_passthrough
-from ..wire.prompt_prefix import prompt_prefix
 from ..wire.request_body import ParsedRequest, cap_max_tokens, parse_chat, parse_completion, parse_generate
 from ..wire.responses_answer import ResponsesStreamScanner
 from ..wire.responses_body import cap_max_output_tokens, parse_responses
@@ -30,7 +26,7 @@ if TYPE_CHECKING:
     from ..config.schema import Config
     from .relay import StreamScanner
 
-__all__ = ["RequestKind", "prompt_prefix", "CHAT", "COMPLETION", "GENERATE", "GENERATE_STREAM", "EMBEDDINGS", "RESPONSES", "PASSTHROUGH"]
+__all__ = ["RequestKind", "CHAT", "COMPLETION", "GENERATE", "GENERATE_STREAM", "EMBEDDINGS", "RESPONSES", "PASSTHROUGH"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
   what its capacity controller found (:mod:`qos.capacity_control`, stepped by the load
   poller; ``max_inflight`` itself with ``admission.capacity.mode: fixed``), ``limit`` is
   the capacity limit a fixed engine's load signal sets
-  (:func:`proxy.runtime.load_signal.capacity_for`: 1 while it reports itself saturated; absent when
+  (:func:`proxy.runtime.load_report.capacity_for`: 1 while it reports itself saturated; absent when
   there is none; an adaptive engine's controller reacts to the same reading), and ``lease`` is this
   process's part of the engine when several replicas share it (granted through Redis:
   :mod:`proxy.admission.lease_binding`; absent standalone). A lease may be 0, and a token lease
@@ -139,7 +139,7 @@ class EngineState:
         """Requests the engine as a whole may run now, as its capacity controller found
         (:mod:`qos.capacity_control`; ``max_inflight`` when fixed), lowered by an outside
         limit (``capacity_limit``: a fixed capacity's load-signal hold,
-        :func:`proxy.runtime.load_signal.capacity_for`): what several replicas' leases share out
+        :func:`proxy.runtime.load_report.capacity_for`): what several replicas' leases share out
         (:mod:`proxy.admission.lease_binding`)."""
         cap = min(self.control.value, self.spec.max_inflight)
         limit = self.capacity_limit
@@ -227,8 +227,8 @@ class EngineState:
     ) -> None:
         """Record what the engine's load poller knows (``None`` / False / ``None`` when
         the reading is stale or absent): the KV fraction in use, whether the engine is
-        saturated (:func:`proxy.runtime.load_signal.is_saturated`), the capacity limit
-        :func:`proxy.runtime.load_signal.capacity_for` derives from it, the requests waiting
+        saturated (:func:`proxy.runtime.load_report.is_saturated`), the capacity limit
+        :func:`proxy.runtime.load_report.capacity_for` derives from it, the requests waiting
         inside it, and the poller's state (``signal``, kept when ``None``)."""
         self.load, self.saturated, self.capacity_limit, self.waiting = load, saturated, capacity_limit, waiting
         if signal is not None:
@@ -236,7 +236,7 @@ class EngineState:
 
     def status(self) -> dict:
         """A JSON-ready view for ``/admin/status`` and the dashboard: the keys of the
-        dashboard's ``engines`` entries (:mod:`proxy.api.dashboard`: ``name``, ``url``,
+        dashboard's ``engines`` entries (:mod:`proxy.api.dashboard_data`: ``name``, ``url``,
         ``kind``, ``inflight``, ``capacity``, ``max_inflight``, ``inflight_tokens``,
         ``load``, ``waiting``, ``saturated``, ``load_signal``), and ``pool``, ``state``,
         ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,

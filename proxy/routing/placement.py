@@ -38,7 +38,7 @@ def affinity_key(routing: RoutingConfig, session: str | None, prompt_text: str |
     Args:
         session: the value of the ``session_header`` the request carried, if any.
         prompt_text: the start of its prompt (at least ``prefix_chars`` characters when it
-            has that many; see :func:`proxy.relay.request_kinds.prompt_prefix`), if any.
+            has that many; see :func:`proxy.wire.prompt_prefix.prompt_prefix`), if any.
 
     The session wins over the prefix; an empty value counts as absent.
     """
