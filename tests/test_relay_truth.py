@@ -818,7 +818,8 @@ async def test_an_engines_error_message_never_reaches_the_access_log(proxy, asse
             "json200": "error body with status 200: code=400 type=BadRequestError", "responses": "in-band error: code=invalid_prompt"}
     assert line["detail"] == want[where]
     for text in (px.access_log.read_text(), px.proc.log_path.read_text()):
-        assert "C0FFEE" not in text and "4111" not in text
+        # the echoed words, not a bare "4111": random hex request ids contain that now and then
+        assert "C0FFEE" not in text and "card is 4111" not in text
 
 
 async def test_json_diagnostic_log_with_the_flag(up, tmp_path):
