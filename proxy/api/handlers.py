@@ -224,16 +224,17 @@ class _Attempt:
         engine: the engine it is sent to (changes on a reroute or a requeue).
         upstream: the engine's response once opened, else ``None``.
         aborted: the upstream request was closed under a generation (a metric).
-        tokens: when its stream's output tokens came (the time per output token).
+        tokens: when its stream's output tokens came (the time per output token), only
+            for a stream of a group with objectives (``None`` otherwise: nothing per chunk).
     """
 
     __slots__ = ("engine", "upstream", "aborted", "tokens")
 
-    def __init__(self, engine: EngineState) -> None:
+    def __init__(self, engine: EngineState, timed: bool) -> None:
         self.engine = engine
         self.upstream: aiohttp.ClientResponse | None = None
         self.aborted = False
-        self.tokens = TokenTimes(asyncio.get_running_loop().time)
+        self.tokens = TokenTimes(asyncio.get_running_loop().time) if timed else None
 
     def judge(self, admitted: Admitted, ex: Exchange, kind: RequestKind, error: UpstreamError | None = None) -> None:
         """Tell the engine's health what this exchange says of it: ``error``, the open
@@ -254,11 +255,14 @@ class _Attempt:
 async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: Admitted, state: ProxyState) -> web.StreamResponse:
     """Steps 3 and 4 on the admitted engine, once per dispatch (a preempted request waits
     in its queue, then goes again), then :func:`_settle`."""
-    att = _Attempt(admitted.engine)
+    att = _Attempt(admitted.engine, timed=req.parsed.stream and ex.group in state.objectives.objectives)
+    tokens = att.tokens
 
-    def progress(output_tokens: int) -> None:
-        att.tokens.progress(output_tokens)
+    def timed_progress(output_tokens: int) -> None:
+        tokens.progress(output_tokens)
         admitted.record_output(output_tokens)
+
+    progress = admitted.record_output if tokens is None else timed_progress
 
     try:
         while True:
@@ -364,7 +368,7 @@ def _observe_objectives(ex: Exchange, req: _Resolved, att: _Attempt, state: Prox
     (:class:`proxy.telemetry.objectives.TokenTimes`). Only streams (a client that asked
     ``stream: true``): a non-streaming answer's first byte is its whole answer."""
     tracker = state.objectives
-    if ex.group not in tracker.objectives or not req.parsed.stream:
+    if att.tokens is None or ex.group not in tracker.objectives:
         return
     now, engine = time.monotonic(), (att.engine.spec.pool, att.engine.name)
     if ex.first_byte_at is not None:
