@@ -252,7 +252,7 @@ class CapacityController:
     _batch: float | None = field(default=None, repr=False)  # the most it ran in the window when it last queued (rule 3's ssthresh)
     _ran: deque = field(default_factory=deque, repr=False)  # (time, running) of the reports within probe_after_s, running decreasing
     _flight: float = field(default=math.inf, repr=False)  # the most of ours in flight at this step and the last (rule 5)
-    _last_inflight: int = field(default=0, repr=False)
+    _last_peak: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if self.limit <= 0:
@@ -284,7 +284,7 @@ class CapacityController:
         s = self.settings
         self._learn(obs)
         peak = obs.inflight if obs.peak_inflight is None else max(obs.inflight, obs.peak_inflight)
-        self._flight, self._last_inflight = float(max(peak, self._last_inflight)), peak
+        self._flight, self._last_peak = float(max(peak, self._last_peak)), peak
         if not self.adaptive:
             return self.value
         cut = None  # (target, reason, floor) of a decrease this step calls for
