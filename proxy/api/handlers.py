@@ -286,7 +286,8 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                 att.upstream = None
             state.metrics.upstream_aborts.labels(m.ABORT_PREEMPTED).inc()
             ex.forget_attempt(admitted.preemptions)
-            att.tokens.forget()
+            if att.tokens is not None:
+                att.tokens.forget()
             att.aborted = False
             try:
                 att.engine = await admitted.requeue()
