@@ -1,16 +1,11 @@
 """The scheduler's refusals in words: the :class:`qos.Refused` it raises at submit, or
 records on a queued ticket it turns away later, for each :class:`qos.RefusalReason`,
-with its message (the error body's sentence) and its ``Retry-After`` hint (seconds)."""
+with its message (the error body's sentence) and its ``Retry-After`` hint (seconds; a
+queue's, from its measured drain rate: :mod:`qos.queue_wait`)."""
 
 from __future__ import annotations
 
 from .ticket import RefusalReason, Refused
-
-
-def retry_hint(queue_timeout_s: float, queued: int, max_inflight: int) -> float:
-    """A Retry-After guess (seconds): the queue timeout scaled by how full the queue is
-    (``queued`` waiting for ``max_inflight`` slots), at least 1 s."""
-    return max(1.0, min(queue_timeout_s, 1.0 + queued / max(1, max_inflight)))
 
 
 def shutdown() -> Refused:

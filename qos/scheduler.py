@@ -64,6 +64,7 @@ from .fair_queue import FairQueue, UserAccount
 from .group_shares import GroupShares
 from .policy import MAX_CHOICES, GroupPolicy, SchedulerPolicy, UserPolicy, clamp_count
 from .preemption import blocked_head, evictee, restart, victim
+from .queue_wait import QueueWait, starts_needed
 from .rate_limit import RateLimiter
 from .slot_holds import SlotHolds, held_before, owed_slot
 from .ticket import RefusalReason, Refused, Ticket, TicketState
@@ -139,6 +140,7 @@ class Scheduler:
         self._busy_at: dict[str, float] = {}  # class -> when it last had work or was turned away
         self.queued = 0
         self.closed = False
+        self.waits = QueueWait()  # the drain rate, for Retry-After and waiting requests' estimates
         self._apply(policy)
 
     # ------------------------------------------- the core: who goes next, what it costs
@@ -187,6 +189,7 @@ class Scheduler:
         self.queued -= 1
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = self._clock()
+        self.waits.drain.started(ticket.admitted_at, self.queued)
         self.inflight.add(ticket)
         self._inflight_by_group[ticket.group] = self._inflight_by_group.get(ticket.group, 0) + 1
         ticket.expected_prompt, ticket.expected_output = self._usage.expected(ticket.user_id, ticket.prompt_tokens, ticket.max_output_tokens)
@@ -321,14 +324,14 @@ class Scheduler:
         queue = self._queues[up.group]
         if gpol.max_queue is not None and len(queue) >= gpol.max_queue and not self._can_dispatch_now(reserved):
             self._busy_at[gpol.name] = now
-            raise refusals.group_queue_full(gpol.name, gpol.max_queue, self._retry_hint())
+            raise refusals.group_queue_full(gpol.name, gpol.max_queue, self._retry_hint(gpol.name))
         if self.queued >= policy.max_queue and not self._can_dispatch_now(reserved):
             found = evictee(self._order, rank, self._under_floor)
             if found is None:
                 self._busy_at[gpol.name] = now  # turned away for room: demand, not absence
-                raise refusals.queue_full(policy.max_queue, self._retry_hint())
+                raise refusals.queue_full(policy.max_queue, self._retry_hint(gpol.name))
             idx, evicted = found
-            self._refuse_queued(evicted, refusals.evicted(evicted.group, idx > rank, self._retry_hint()))
+            self._refuse_queued(evicted, refusals.evicted(evicted.group, idx > rank, self._retry_hint(evicted.group)))
 
         self._seq += 1
         ticket = Ticket(
@@ -346,6 +349,7 @@ class Scheduler:
         self.queued += 1
         self._deadlines.add(ticket, self.queued)
         self._dispatch()
+        self.waits.drain.observe(now, self.queued)
         return ticket
 
     def _size(
@@ -367,8 +371,20 @@ class Scheduler:
     def _too_large(self, reserved: int) -> Refused:
         return refusals.too_large(reserved, getattr(self.capacity_model, "max_inflight_tokens", None))
 
-    def _retry_hint(self) -> float:
-        return refusals.retry_hint(self.policy.queue_timeout_s, self.queued, self.policy.max_inflight)
+    def _retry_hint(self, group: str, promise: bool = True) -> float:
+        """The ``Retry-After`` (seconds) for a request of ``group`` refused now: the
+        starts it needs before it would be admitted at the measured drain rate
+        (:mod:`qos.queue_wait`); ``promise``: it goes to a client, who is counted as
+        coming back then."""
+        now = self._clock()
+        rate = self.waits.rate(now, self.capacity_model.slots)
+        return self.waits.retry_after_s(now, group, self._starts_needed(group, rate), rate, promise)
+
+    def _starts_needed(self, group: str, rate: float) -> float:
+        rank = self._rank.get(group, len(self._order) - 1)
+        above = sum(len(q) for q in self._order[:rank])
+        gpol = self.policy.groups[rank]
+        return starts_needed(self.queued, self.policy.max_queue, above, len(self._order[rank]), gpol.max_queue, rate, self.policy.queue_timeout_s)
 
     def _under_floor(self, idx: int) -> bool:
         """Whether class index ``idx`` has a ``min_share`` and its decayed share is at or
@@ -387,7 +403,7 @@ class Scheduler:
         if ticket.state is not TicketState.QUEUED:
             return False
         waited = self._clock() - ticket.enqueued_at
-        self._refuse_queued(ticket, refusals.withdrawn(reason, waited, self._retry_hint()), notify=False)
+        self._refuse_queued(ticket, refusals.withdrawn(reason, waited, self._retry_hint(ticket.group, promise=False)), notify=False)
         self._dispatch()  # the head of a blocked class may have changed
         return True
 
@@ -400,6 +416,7 @@ class Scheduler:
         self._queues = {g.name: old[g.name] if g.name in old else FairQueue(g.name) for g in policy.groups}
         self._order = [self._queues[g.name] for g in policy.groups]
         self._rank = {g.name: i for i, g in enumerate(policy.groups)}
+        self.waits.forget(self._rank.keys())
         if policy.hold_slot_s <= 0:
             self._holds.clear()
         self.capacity_model.configure(policy)
@@ -565,6 +582,7 @@ class Scheduler:
         restart(ticket, acct.group, now, now + self.policy.queue_timeout_s)
         queue.push_front(ticket, acct)
         self.queued += 1
+        self.waits.drain.observe(now, self.queued)
         self._deadlines.add(ticket, self.queued)
         return True
 
@@ -630,6 +648,7 @@ class Scheduler:
         self._queues[acct.group].remove(ticket, acct)
         self._busy_at[acct.group] = now
         self.queued -= 1
+        self.waits.drain.observe(now, self.queued)
         ticket.state = TicketState.REFUSED
         ticket.refusal = refusal
         self.rate_limiter.refund(ticket.rate, now)  # never served: consumes nothing
@@ -658,7 +677,7 @@ class Scheduler:
         now = self._clock()
         out: list[Ticket] = []
         for t in self._deadlines.due(now):
-            self._refuse_queued(t, refusals.timed_out(now - t.enqueued_at, self._retry_hint()))
+            self._refuse_queued(t, refusals.timed_out(now - t.enqueued_at, self._retry_hint(t.group)))
             out.append(t)
         if out:
             self._dispatch()
@@ -729,6 +748,31 @@ class Scheduler:
     def queue_depths(self) -> dict[str, int]:
         """Waiting requests per class, in priority order."""
         return {q.name: len(q) for q in self._order}
+
+    def drain_rate(self) -> float:
+        """The rate this queue starts requests at (requests/s): measured while work
+        waited (:class:`qos.queue_wait.DrainRate`), else one per second per slot."""
+        return self.waits.rate(self._clock(), self.capacity_model.slots)
+
+    def queue_position(self, ticket: Ticket) -> tuple[int, float] | None:
+        """A QUEUED ``ticket``'s estimated position (1: it starts next) and wait
+        (seconds, ``position / drain rate``), or ``None`` when it is not waiting. The
+        position counts the requests waiting in the classes above its own and those of
+        its class that arrived before it (users' fair order inside a class is not
+        modelled: :mod:`qos.queue_wait`). O(queued)."""
+        if ticket.state is not TicketState.QUEUED or ticket.group not in self._rank:
+            return None
+        rank = self._rank[ticket.group]
+        ahead = sum(len(q) for q in self._order[:rank]) + sum(1 for t in self._order[rank].tickets() if t.seq < ticket.seq)
+        return ahead + 1, (ahead + 1) / self.drain_rate()
+
+    def would_wait(self, group: str | None) -> tuple[int, float]:
+        """The position a request of ``group`` (``None``: the default class) arriving now
+        would take at the back of its class (waiting in its class and the classes above,
+        plus one) and its estimated wait (seconds) at the drain rate. O(classes)."""
+        rank = self._rank.get(group if group is not None else "", self._rank.get(self.policy.default_group, len(self._order) - 1))
+        position = sum(len(q) for q in self._order[: rank + 1]) + 1
+        return position, position / self.drain_rate()
 
     def counters(self) -> dict[str, float]:
         """Confirmed counter of every user tracked: service rendered (token units /
