@@ -7,9 +7,14 @@ with ``max_tokens`` tokens (default 16; a non-streaming answer, built whole, at 
 serve sends it) unless the request asks ``stream_options.include_usage``: then, as vLLM
 and OpenAI, a separate last chunk with ``choices: []`` carries it. Per-request overrides ride in the body (the proxy forwards the
 body unchanged): ``"fake": {"ttft_s": 0.5, "itl_s": 0.01, "no_done": true,
-"usage": false, "fail_after": 3, "status": 500, "prompt": 5000}`` (``prompt``: the prompt
+"usage": false, "fail_after": 3, "status": 500, "prompt": 5000, "role": true}`` (``prompt``: the prompt
 tokens to report in ``usage``, default 10; ``"usage": "asked"``: as vLLM, a stream reports
-usage only when the request asks ``stream_options.include_usage``). With ``max_model_len`` set (``--max-model-len``),
+usage only when the request asks ``stream_options.include_usage``; ``role``: a chat stream
+opens, as vLLM's, with a chunk carrying ``"role": "assistant"`` and no text). The answer's
+tokens are `` t0 t1 ...``; a request that continues them (a chat request with
+``continue_final_message`` whose last message is the assistant's partial answer, or a
+completions prompt ending with them) goes on from where they stop (:func:`continued_from`),
+with an ``id`` ending ``-continued``. With ``max_model_len`` set (``--max-model-len``),
 a request whose ``max_tokens`` plus prompt exceeds it is refused at once with a 400, the way
 vLLM refuses it.
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -76,13 +82,32 @@ TIMING = web.AppKey("timing", Timing)
 ABORTED = web.AppKey("aborted_event", object)
 
 
-def _chunk(i: int, created: int, chat: bool, last: bool, n: int, prompt: int, with_usage: bool) -> bytes:
+_TOKEN = re.compile(r" t\d+")
+_TRAILING_TOKENS = re.compile(r"(?: t\d+)+$")
+
+
+def continued_from(body: dict, chat: bool) -> int:
+    """How many of this fake's tokens (`` t0 t1 ...``) the request already holds, so its
+    answer goes on from there: a chat request with ``continue_final_message`` (vLLM's and
+    SGLang's extension) and a last ``assistant`` message, the tokens in that message; a
+    completions prompt, the tokens it ends with. 0 otherwise."""
+    if chat:
+        msgs = body.get("messages")
+        if body.get("continue_final_message") and isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+            return len(_TOKEN.findall(str(msgs[-1].get("content") or "")))
+        return 0
+    prompt = body.get("prompt")
+    m = _TRAILING_TOKENS.search(prompt) if isinstance(prompt, str) else None
+    return len(_TOKEN.findall(m.group(0))) if m else 0
+
+
+def _chunk(i: int, created: int, chat: bool, last: bool, n: int, prompt: int, with_usage: bool, cid: str = "fake") -> bytes:
     if chat:
         choice = {"index": 0, "delta": {"content": f" t{i}"} if not last else {}, "finish_reason": "length" if last else None}
-        obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [choice]}
+        obj = {"id": "chatcmpl-" + cid, "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [choice]}
     else:
         choice = {"index": 0, "text": f" t{i}" if not last else "", "finish_reason": "length" if last else None}
-        obj = {"id": "cmpl-fake", "object": "text_completion", "created": created, "model": MODEL, "choices": [choice]}
+        obj = {"id": "cmpl-" + cid, "object": "text_completion", "created": created, "model": MODEL, "choices": [choice]}
     if last and with_usage:
         obj["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
     return b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -109,6 +134,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     ttft, itl = float(fake.get("ttft_s", timing.ttft_s)), float(fake.get("itl_s", default_itl))
     fail_after = fake.get("fail_after")
     created = int(time.time())
+    # a continuation goes on from the tokens its request holds, which count as prompt;
+    # its chunks carry an id and created of their own (a proxy resuming a stream rewrites them)
+    start = continued_from(body, chat)
+    cid = "fake" if not start else "fake-continued"
+    if start:
+        prompt += start
+        created += 1
     stats.started += 1
     stats.active += 1
     stats.max_active = max(stats.max_active, stats.active)
@@ -122,7 +154,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 if itl:
                     await asyncio.sleep(itl)
             stats.tokens_sent += n
-            text = "".join(f" t{i}" for i in range(n))
+            text = "".join(f" t{i}" for i in range(start, start + n))
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
             else:
@@ -144,6 +176,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return resp
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if fake.get("role") and chat:  # as vLLM: a first chunk with the role and no text
+            choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            await resp.write(b"data: " + orjson.dumps({"id": "chatcmpl-" + cid, "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [choice]}) + b"\n\n")
         for i in range(n):
             if i and itl:
                 await asyncio.sleep(itl)
@@ -151,17 +186,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 request.transport.close()  # break the connection mid-stream
                 stats.aborted += 1
                 return resp
-            await resp.write(_chunk(i, created, chat, False, n, prompt, False))
+            await resp.write(_chunk(start + i, created, chat, False, n, prompt, False, cid))
             stats.tokens_sent += 1
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage") and fake.get("usage", True):
             # as vLLM and OpenAI: the last chunk carries the finish_reason, then a
             # usage-only chunk with no choices
-            await resp.write(_chunk(n, created, chat, True, n, prompt, False))
+            await resp.write(_chunk(n, created, chat, True, n, prompt, False, cid))
             usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
-            await resp.write(b"data: " + orjson.dumps({"id": "fake", "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": MODEL, "choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: " + orjson.dumps({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": MODEL, "choices": [], "usage": usage}) + b"\n\n")
         else:
-            await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True) is True))
+            await resp.write(_chunk(n, created, chat, True, n, prompt, fake.get("usage", True) is True, cid))
         if not fake.get("no_done"):
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -766,7 +766,7 @@ async def test_no_headers_within_first_byte_timeout_is_a_504_and_an_abort(impati
 
 ACCESS_KEYS = {
     "ts", "request_id", "upstream_request_id", "user", "group", "model", "kind", "status", "outcome", "detail",
-    "queue_wait_s", "ttft_s", "duration_s", "prompt_tokens", "output_tokens", "preemptions",
+    "queue_wait_s", "ttft_s", "duration_s", "prompt_tokens", "output_tokens", "preemptions", "resumes", "resume",
 }  # fmt: skip
 
 

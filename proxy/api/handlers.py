@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from aiohttp import web
@@ -53,6 +53,7 @@ from ..relay.answer import relay_answer
 from ..relay.engine_body import engine_plan
 from ..relay.relay import CLIENT_CLOSED, Exchange
 from ..relay.request_kinds import RequestKind
+from ..relay.resume import UNPINNED_ENDS, StreamResume, resume_refusal
 from ..wire.prompt_prefix import prompt_prefix
 from ..relay.upstream import UpstreamError
 from ..relay.upstream_body import UpstreamBody, open_upstream, stream_options_of
@@ -226,15 +227,18 @@ class _Attempt:
         aborted: the upstream request was closed under a generation (a metric).
         tokens: when its stream's output tokens came (the time per output token), only
             for a stream of a group with objectives (``None`` otherwise: nothing per chunk).
+        resume: a resumable stream's state (:mod:`proxy.relay.resume`: its pool has
+            ``preemption.resume``), else ``None``.
     """
 
-    __slots__ = ("engine", "upstream", "aborted", "tokens")
+    __slots__ = ("engine", "upstream", "aborted", "tokens", "resume")
 
-    def __init__(self, engine: EngineState, timed: bool) -> None:
+    def __init__(self, engine: EngineState, timed: bool, resume: StreamResume | None = None) -> None:
         self.engine = engine
         self.upstream: aiohttp.ClientResponse | None = None
         self.aborted = False
         self.tokens = TokenTimes(asyncio.get_running_loop().time) if timed else None
+        self.resume = resume
 
     def judge(self, admitted: Admitted, ex: Exchange, kind: RequestKind, error: UpstreamError | None = None) -> None:
         """Tell the engine's health what this exchange says of it: ``error``, the open
@@ -255,8 +259,8 @@ class _Attempt:
 async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: Admitted, state: ProxyState) -> web.StreamResponse:
     """Steps 3 and 4 on the admitted engine, once per dispatch (a preempted request waits
     in its queue, then goes again), then :func:`_settle`."""
-    att = _Attempt(admitted.engine, timed=req.parsed.stream and ex.group in state.objectives.objectives)
-    tokens = att.tokens
+    att = _Attempt(admitted.engine, timed=req.parsed.stream and ex.group in state.objectives.objectives, resume=_resumable(req, admitted, ex))
+    tokens, resume, original = att.tokens, att.resume, req.parsed
 
     def timed_progress(output_tokens: int) -> None:
         tokens.progress(output_tokens)
@@ -269,12 +273,17 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
             try:
                 plan = await _open(request, ex, req, admitted, att, state)
                 if not isinstance(plan, UpstreamBody):
+                    if resume is not None and resume.shown:  # a resumed part: its stream is open
+                        return await resume.fail(f"the stream could not be resumed: {ex.detail}", ex.detail or "upstream_error")
                     return plan  # it could not be opened
                 engine, limits = att.engine, req.active.config.limits
                 return await relay_answer(
                     request, att.upstream, ex, req.kind, req.parsed, plan, base_url=engine.url, lightllm=req.kind.native or engine.kind == "lightllm",
-                    write_timeout_s=limits.client_write_timeout_s, on_progress=progress, show=admitted.show,
+                    write_timeout_s=limits.client_write_timeout_s,
+                    on_progress=progress if resume is None or not resume.part else (lambda n, done=resume.done_tokens: progress(n + done)),
+                    show=admitted.show if resume is None else _unshown,  # a resumable stream stays preemptible until pinned
                     hold_headers=admitted.holds_headers,  # with preemption on, a stream's headers wait for its first event
+                    resume=resume,
                 )
             except asyncio.CancelledError:
                 if not admitted.preempted():
@@ -285,13 +294,27 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                 att.upstream.close()  # aborts the generation upstream
                 att.upstream = None
             state.metrics.upstream_aborts.labels(m.ABORT_PREEMPTED).inc()
-            ex.forget_attempt(admitted.preemptions)
-            if att.tokens is not None:
-                att.tokens.forget()
+            if resume is not None and resume.shown:
+                # its client was shown part of the answer: the stream stays open, and the
+                # next part continues the text sent (proxy.relay.resume)
+                state.metrics.resumes.labels(req.pool.name, att.engine.name, ex.group).inc()
+                resume.next_part()
+                ex.preemptions, ex.resumes = admitted.preemptions, ex.resumes + 1
+                ex.prompt_tokens, ex.output_tokens, ex.upstream_ended = None, 0, False  # the parts before: in resume
+                req = replace(req, parsed=resume.body(original))
+            else:
+                ex.forget_attempt(admitted.preemptions)
+                if resume is not None:
+                    resume.restart()
+                if att.tokens is not None:
+                    att.tokens.forget()
             att.aborted = False
             try:
                 att.engine = await admitted.requeue()
             except Refused as r:
+                if resume is not None and resume.shown:
+                    _refused(state, ex, r)  # counted; its answer cannot be sent now
+                    return await resume.fail(f"the stream could not be resumed: {r.reason.value}", r.reason.value)
                 return _refused(state, ex, r)
             _dispatched(ex, admitted)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -356,6 +379,12 @@ def _settle(ex: Exchange, req: _Resolved, admitted: Admitted, att: _Attempt, sta
             att.aborted = True
     if att.aborted:
         state.metrics.upstream_aborts.labels(ex.outcome or m.ABORT_UNKNOWN).inc()
+    resume = att.resume
+    if resume is not None:
+        if resume.part:  # every part's tokens (proxy.relay.resume: StreamResume.charge)
+            ex.prompt_tokens, ex.output_tokens = resume.charge(ex.prompt_tokens, ex.output_tokens)
+        if resume.pinned and resume.why_pinned not in UNPINNED_ENDS:
+            ex.resume = f"pinned: {resume.why_pinned}"
     if ex.output_tokens == 0 and ex.outcome in _NOTHING_SERVED:
         ex.prompt_tokens = 0  # the upstream refused or failed before any token: charge nothing
     admitted.true_up(ex.prompt_tokens, ex.output_tokens)
@@ -377,6 +406,25 @@ def _observe_objectives(ex: Exchange, req: _Resolved, att: _Attempt, state: Prox
     tpot = att.tokens.tpot_s()
     if tpot is not None:
         tracker.observe(now, ex.group, engine, TPOT, tpot)
+
+
+def _resumable(req: _Resolved, admitted: Admitted, ex: Exchange) -> StreamResume | None:
+    """The resume state of a stream whose pool resumes preempted streams
+    (``preemption.resume``), or ``None``: its pool does not, preemption is off, or the
+    request cannot be resumed (``ex.resume`` says why: the access log)."""
+    if not req.pool.spec.resume or not admitted.holds_headers or not req.parsed.stream:
+        return None
+    why = resume_refusal(req.kind.name, req.parsed)
+    if why is not None:
+        ex.resume = f"not resumable: {why}"
+        return None
+    ex.resume = "resumable"
+    return StreamResume(req.kind.name == "chat", req.parsed.max_tokens, admitted.show, req.parsed.prompt_tokens)
+
+
+def _unshown() -> None:
+    """A resumable stream's ``show``: its ticket is marked shown only when it is pinned
+    (:class:`proxy.relay.resume.StreamResume`)."""
 
 
 def _dispatched(ex: Exchange, admitted: Admitted) -> None:

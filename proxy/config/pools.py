@@ -38,6 +38,12 @@ CATCH_ALL = "*"
 #: Name of the pool the single-upstream form (and ``llm-qos up --engines N``) makes.
 DEFAULT_POOL = "default"
 
+#: an engine's software (``upstream.server``, ``pools[].engines[].server``)
+EngineServer = Literal["vllm", "sglang", "transformers", "lightllm", "hosted", "other"]
+#: the engines that continue a final assistant message (``continue_final_message``:
+#: vLLM's and SGLang's chat extensions), which resuming a preempted stream needs
+RESUMING_SERVERS = frozenset({"vllm", "sglang"})
+
 _HTTP_TOKEN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # RFC 9110 token: a header field name
 _POOL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -198,6 +204,8 @@ class EngineConfig(_Model):
     smallest one, minus its prompt, as output (:attr:`PoolSpec.max_model_len`).
     ``stream_usage``: ``upstream.stream_usage`` for this engine (``None``: the
     ``upstream`` section's), e.g. ``false`` for one engine that rejects ``stream_options``.
+    ``server``: this engine's software (default: ``upstream.server``; see
+    :class:`proxy.config.schema.UpstreamConfig`).
     """
 
     url: str
@@ -213,6 +221,7 @@ class EngineConfig(_Model):
     priority_order: Literal["lower_first", "higher_first"] = "lower_first"
     max_model_len: int | None = Field(default=None, ge=1)
     stream_usage: bool | None = None
+    server: EngineServer | None = None
 
     @field_validator("url")
     @classmethod
@@ -226,12 +235,25 @@ class EngineConfig(_Model):
         return self.name or public_url(self.url)
 
 
+class PoolPreemptionConfig(_Model):
+    """A pool's own preemption settings.
+
+    ``resume`` (unset: ``admission.preemption.resume``, default false): a lower group's
+    stream that has shown its client tokens may be preempted and is resumed where it
+    stopped (``docs/scheduling.md``); every engine of the pool must continue a message
+    (``server: vllm`` or ``sglang``, :func:`check_resume`).
+    """
+
+    resume: bool | None = None
+
+
 class PoolConfig(_Model):
     """One pool: a queue of its own and the engines that serve its models.
 
     ``name``: unique, a metrics label (letters, digits, ``.``, ``_``, ``-``; at most 64).
     ``models``: the names clients send (see :class:`ModelEntry`). ``engines``: at least
     one. ``routing``: :class:`RoutingConfig`. ``health``: :class:`HealthConfig`.
+    ``preemption``: :class:`PoolPreemptionConfig`.
     """
 
     name: str = Field(pattern=_POOL_NAME)
@@ -239,6 +261,7 @@ class PoolConfig(_Model):
     engines: list[EngineConfig] = Field(min_length=1)
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
+    preemption: PoolPreemptionConfig = PoolPreemptionConfig()
 
     @model_validator(mode="after")
     def _unique_inside(self) -> "PoolConfig":
@@ -323,6 +346,8 @@ class PoolSpec:
         routing, health: its settings.
         single_upstream: made from the single-``upstream`` form (its models list is the
             upstream's own: ``GET /v1/models`` is passed through).
+        resume: its streams shown to their clients may be preempted and resumed
+            (``preemption.resume``).
     """
 
     name: str
@@ -331,6 +356,7 @@ class PoolSpec:
     routing: RoutingConfig
     health: HealthConfig
     single_upstream: bool = False
+    resume: bool = False
 
     @property
     def catch_all(self) -> bool:
@@ -365,6 +391,8 @@ def _engine_upstream(upstream: Any, engine: EngineConfig) -> Any:
         update["max_model_len"] = engine.max_model_len
     if engine.stream_usage is not None:
         update["stream_usage"] = engine.stream_usage
+    if engine.server is not None:
+        update["server"] = engine.server
     if engine.load_signal:
         base = upstream.load_signal
         try:
@@ -394,7 +422,7 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
             control=cap.settings(adm.max_inflight),
         )  # fmt: skip
         return (
-            PoolSpec(DEFAULT_POOL, (ModelEntry(name=CATCH_ALL),), (engine,), RoutingConfig(), HealthConfig(), single_upstream=True),
+            PoolSpec(DEFAULT_POOL, (ModelEntry(name=CATCH_ALL),), (engine,), RoutingConfig(), HealthConfig(), single_upstream=True, resume=adm.preemption.resume),
         )
     out = []
     for pool in config.pools:
@@ -412,7 +440,8 @@ def resolve_pools(config: Any) -> tuple[PoolSpec, ...]:
             )
             for e in pool.engines
         )
-        out.append(PoolSpec(pool.name, tuple(pool.models), engines, pool.routing, pool.health))
+        resume = pool.preemption.resume if pool.preemption.resume is not None else adm.preemption.resume
+        out.append(PoolSpec(pool.name, tuple(pool.models), engines, pool.routing, pool.health, resume=resume))
     return tuple(out)
 
 
@@ -443,6 +472,31 @@ def check_pools(config: Any) -> None:
                 raise ValueError(f"{what} is in two pools, {owner[m.name]!r} and {p.name!r}; a model belongs to one pool")
             owner[m.name] = p.name
     resolve_pools(config)  # engine load_signal overrides
+
+
+def check_resume(config: Any) -> None:
+    """Refuse ``preemption.resume`` for a pool with an engine that cannot continue a
+    message (called by the config's validator): each engine of a resuming pool must be
+    of kind ``openai`` and state ``server: vllm`` or ``sglang`` (the engines with
+    ``continue_final_message``; LightLLM, transformers serve and hosted APIs have none,
+    and the proxy cannot tell ``openai``-kind engines apart by themselves).
+
+    Raises:
+        ValueError: naming the pool, the engine and what it is.
+    """
+    for pool in resolve_pools(config):
+        if not pool.resume:
+            continue
+        for e in pool.engines:
+            server = e.upstream.server
+            if e.kind == "openai" and server in RESUMING_SERVERS:
+                continue
+            what = "kind lightllm" if e.kind == "lightllm" else (f"server {server}" if server is not None else "no server stated")
+            raise ValueError(
+                f"pool {pool.name!r}: preemption.resume needs engines that continue a final assistant message "
+                f"(continue_final_message: vLLM, SGLang), but engine {e.name!r} has {what}; "
+                "state server: vllm or sglang for each of its engines, or turn resume off"
+            )
 
 
 def bundled_pool_config(config: Any, urls: list[str]) -> Any:

@@ -25,7 +25,7 @@ from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 from qos.capacity_control import ControlSettings
 from qos.objectives import DEFAULT_WINDOW_S, OBJECTIVES, Objective
 
-from .pools import PassthroughConfig, PoolConfig, PoolSpec, base_url, check_pools, resolve_pools
+from .pools import EngineServer, PassthroughConfig, PoolConfig, PoolSpec, base_url, check_pools, check_resume, resolve_pools
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 # a group's default headroom per group above it, and its most: at saturation a lower
@@ -107,6 +107,13 @@ class UpstreamConfig(_Model):
     when known: a request reserves at most that minus its prompt estimate as output,
     whatever its ``max_tokens`` (an engine cannot generate past its context). With
     ``pools``, the default of each engine's own.
+
+    ``server``: the engine's software, when stated (``vllm``, ``sglang``,
+    ``transformers``, ``lightllm``, ``hosted``, ``other``; default unset): the proxy
+    cannot tell ``openai``-kind engines apart, and resuming preempted streams
+    (``preemption.resume``) needs an engine that continues a final assistant message
+    (``continue_final_message``: vLLM and SGLang only). With ``pools``, the default of
+    each engine's own.
     """
 
     url: str = "http://127.0.0.1:8001"
@@ -121,6 +128,7 @@ class UpstreamConfig(_Model):
     stream_non_streaming: bool = False
     stream_usage: bool = True
     max_model_len: int | None = Field(default=None, ge=1)
+    server: EngineServer | None = None
     load_signal: LoadSignalConfig = LoadSignalConfig()
 
     @field_validator("url")
@@ -198,11 +206,18 @@ class PreemptionConfig(_Model):
     max(0.25, 2 x the largest baseline time to first token the pool's engines have
     measured), 0.5 while none is measured. ``max_per_request`` (2): the most times one
     request is preempted.
+
+    ``resume`` (false): a lower group's stream that has already shown its client tokens
+    may be preempted too, and is resumed where it stopped when dispatched again
+    (:mod:`proxy.relay.resume`); the default of every pool (``pools[].preemption.resume``
+    overrides it). Only for engines that continue a message (``server: vllm`` or
+    ``sglang``: :func:`proxy.config.pools.check_resume`).
     """
 
     enabled: bool = True
     after_s: Literal["auto"] | Annotated[float, Field(gt=0, le=3600)] = "auto"
     max_per_request: int = Field(default=2, ge=1, le=100)
+    resume: bool = False
 
 
 class AdmissionConfig(_Model):
@@ -472,6 +487,7 @@ class Config(_Model):
         if sum(g.min_share for g in self.groups) > 1.0:
             raise ValueError("the min_share of all groups must add up to at most 1")
         check_pools(self)
+        check_resume(self)
         return self
 
     def effective_pools(self) -> tuple[PoolSpec, ...]:

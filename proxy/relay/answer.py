@@ -28,6 +28,7 @@ from ..wire.sse import EventTooLarge
 from .assemble import ASSEMBLED_KINDS, relay_assembled
 from .relay import Exchange, relay_body, relay_stream
 from .request_kinds import RequestKind
+from .resume import StreamResume
 from .upstream_body import UpstreamBody, choices_of
 
 
@@ -49,6 +50,7 @@ async def relay_answer(
     on_progress: Callable[[int], None],
     show: Callable[[], None],
     hold_headers: bool,
+    resume: StreamResume | None = None,
 ) -> web.StreamResponse:
     """Relay ``upstream``'s answer to ``request`` (see the module docstring).
 
@@ -69,6 +71,9 @@ async def relay_answer(
             the request is never preempted).
         hold_headers: a stream's status line and headers wait for its first event
             (``show`` is called then); else ``show`` is called at once.
+        resume: a resumable stream's state (:mod:`.resume`), or ``None``. In a resumed
+            part (its client already shown the stream), an answer that is not a 200
+            event stream ends the client's stream with an error event.
 
     Raises:
         asyncio.CancelledError, ConnectionResetError: the client went away (the caller
@@ -93,6 +98,14 @@ async def relay_answer(
     # relayed and accounted as a stream, as the engine sent it
     event_stream = "text/event-stream" in ctype
     assemble = plan.assemble or (event_stream and not parsed.stream and kind.name in ASSEMBLED_KINDS)
+    if resume is not None and resume.shown and not (upstream.status == 200 and event_stream and not is_json):
+        try:
+            await upstream.read()  # a refusal of the resumed request, before any generation
+            ex.upstream_ended = True
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"resumed part answered {upstream.status}"
+        return await resume.fail(f"the upstream refused to resume the stream ({upstream.status})", "upstream_resume_refused")
     if (parsed.stream or event_stream) and upstream.status == 200 and not is_json and not assemble:
         if not hold_headers:
             show()
@@ -107,6 +120,7 @@ async def relay_answer(
             strip_usage=plan.strip_usage,
             base_url=base_url,
             on_show=show if hold_headers else None,
+            resume=resume,
         )
     try:
         if upstream.status == 417 and lightllm:  # LightLLM's validation errors, any route

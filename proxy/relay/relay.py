@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import aiohttp
 import orjson
@@ -54,6 +54,9 @@ from ..telemetry.metrics import OUTCOME_CLIENT_GONE, OUTCOME_OK, OUTCOME_UPSTREA
 from ..wire.headers import REQUEST_ID, client_headers, content_coding
 from ..wire.sse import DONE_EVENT, EventTooLarge, SSEScanner, error_of
 from ..wire.usage_strip import UsageStripper
+
+if TYPE_CHECKING:
+    from .resume import StreamResume
 
 #: a stream's output count goes to the scheduler and the engine's meter at most this often
 #: (seconds), after its first token at once: a fast engine's tokens (1 ms apart) cost one
@@ -94,7 +97,12 @@ class Exchange:
         transfer_broke: a pass-through answer's transfer broke (the one thing its
             answer, any status, tells of the engine's health).
         preemptions: times the request was preempted before its answer (each attempt
-            aborted upstream unseen by the client; :mod:`proxy.admission.admission`).
+            aborted upstream unseen by the client; :mod:`proxy.admission.admission`),
+            or during it (resumed: ``resumes``).
+        resumes: times its stream was preempted after its client was shown tokens and
+            resumed (:mod:`proxy.relay.resume`).
+        resume: why its stream was not resumable (``""``: it was, or its pool does not
+            resume; :func:`proxy.relay.resume.resume_refusal`, or what pinned it).
     """
 
     arrived_at: float
@@ -116,6 +124,8 @@ class Exchange:
     engine_error_status: int | None = None
     transfer_broke: bool = False
     preemptions: int = 0
+    resumes: int = 0
+    resume: str = ""
 
     def forget_attempt(self, preemptions: int) -> None:
         """Forget what a preempted attempt left here (its client was shown nothing of
@@ -242,6 +252,7 @@ async def relay_stream(
     strip_usage: bool = False,
     base_url: str | None = None,
     on_show: Callable[[], None] | None = None,
+    resume: "StreamResume | None" = None,
 ) -> web.StreamResponse:
     """Relay an SSE answer chunk by chunk, with the upstream's status and headers.
 
@@ -267,6 +278,10 @@ async def relay_stream(
             ``on_show()`` is called right before they go to the client: until then the
             client has been shown nothing (a request still waiting inside the engine
             may be preempted, :mod:`proxy.admission.admission`). ``None``: headers at once.
+        resume: a resumable stream's state (:class:`proxy.relay.resume.StreamResume`):
+            the bytes written go through its ``feed`` (after the usage stripper), and a
+            later part writes on the response the first part made (its status and
+            headers already sent). ``None`` (every stream not resumable): nothing added.
 
     Returns:
         The stream response. ``ex.outcome`` is ``ok``, ``upstream_error`` (an in-band
@@ -288,11 +303,20 @@ async def relay_stream(
         if "Cache-Control" not in headers:
             headers["Cache-Control"] = "no-cache"
         headers["X-Accel-Buffering"] = "no"  # nginx in front: do not buffer the stream
-    resp = web.StreamResponse(status=upstream.status, headers=headers)
+    if resume is None or resume.response is None:
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        if resume is not None:
+            resume.response = resp
+    else:
+        resp = resume.response  # a resumed part: the client's stream goes on
     length = upstream.content_length
     if not scanner.sse and length is not None and content_coding(upstream.headers) in ("", "identity") and request.method != "HEAD" and upstream.status not in (204, 304):
         resp.content_length = length  # bytes relayed as they are: a download keeps its length
     stripper = UsageStripper() if strip_usage else None
+    # what the bytes go through before the client: nothing, the stripper, the resume, both
+    feed = None if stripper is None else stripper.feed
+    if resume is not None:
+        feed = resume.feed if stripper is None else (lambda c, s=stripper.feed, r=resume.feed: r(s(c)))
     watchdog = _WriteWatchdog(loop, write_timeout_s)
 
     async def show() -> None:
@@ -315,7 +339,7 @@ async def relay_stream(
                 now = loop.time()
                 if ex.first_byte_at is None:
                     ex.first_byte_at = now
-                out = chunk if stripper is None else stripper.feed(chunk)
+                out = chunk if feed is None else feed(chunk)
                 if out:
                     if not resp.prepared:
                         await show()
@@ -335,9 +359,13 @@ async def relay_stream(
             if watchdog.pending_since is not None:
                 raise  # the client's write failed (aiohttp's ClientConnectionResetError), not the upstream
             broke = e
+        if resume is not None:
+            resume.pin("the upstream answer ended")  # its end goes to the client: never resumed
         if broke is None:
             ex.upstream_ended = True
             held = stripper.flush() if stripper is not None else b""
+            if resume is not None:
+                held = resume.feed(held) + resume.flush()
             # an unterminated last event is terminated, so the client's parser sees it
             pad = b"\n\n" if scanner.partial else b""
             scanner.end()
@@ -355,6 +383,8 @@ async def relay_stream(
             _take_counts(ex, scanner)
             ex.outcome, ex.detail = OUTCOME_UPSTREAM_ERROR, f"upstream stream broke: {type(broke).__name__}"
             held = stripper.flush() if stripper is not None else b""
+            if resume is not None:
+                held = resume.feed(held) + resume.flush()
             pad = b"\n\n" if held.strip() or scanner.partial else b""
             if isinstance(broke, TimeoutError):
                 cut = scanner.cut("the upstream sent nothing for upstream.idle_timeout_s", "upstream_idle_timeout")

@@ -5,7 +5,9 @@ Its fields (never a key, a prompt or an answer): ``ts`` (wall clock, seconds),
 ``group``, ``model`` (the body's, at most 128 characters), ``kind``, ``status`` (the HTTP
 status sent; 499: the client left before any), ``outcome`` (a ``metrics.OUTCOME_*``
 value), ``detail``, ``queue_wait_s``, ``ttft_s``, ``duration_s``, ``prompt_tokens``,
-``output_tokens``, ``preemptions``. How the line is written to its file:
+``output_tokens``, ``preemptions``, ``resumes`` (times its stream was resumed after a
+preemption), ``resume`` (``null`` where its pool does not resume streams; else
+``resumable``, ``not resumable: <why>`` or ``pinned: <why>``). How the line is written to its file:
 :mod:`.log_format`.
 """
 
@@ -49,6 +51,8 @@ def access_line(ex: Any, now: float) -> str:
             "prompt_tokens": ex.prompt_tokens,
             "output_tokens": ex.output_tokens,
             "preemptions": ex.preemptions,
+            "resumes": ex.resumes,
+            "resume": ex.resume or None,
         }
     ).decode()
 

@@ -216,7 +216,8 @@ class Metrics:
 
     Attributes: ``requests``, ``rejections``, ``queue_wait``, ``ttft``, ``tokens``,
     ``upstream_aborts``, ``config_reloads``, ``preemptions`` (``pool``, ``engine``,
-    ``group``: requests preempted off that engine): :class:`LabelCache` of each metric (call
+    ``group``: requests preempted off that engine), ``resumes`` (the same labels: shown
+    streams preempted to be resumed): :class:`LabelCache` of each metric (call
     ``.labels(...)`` as on the metric; ``.metric`` is the metric itself).
     """
 
@@ -238,6 +239,9 @@ class Metrics:
         self.config_reloads = LabelCache(Counter("llm_qos_config_reloads", "Config reload attempts by result (ok, error).", ["result"], registry=r))
         self.preemptions = LabelCache(
             Counter("llm_qos_preemptions", "Requests preempted for a higher group's waiting request, by pool, engine and the preempted request's group.", ["pool", "engine", "group"], registry=r)
+        )
+        self.resumes = LabelCache(
+            Counter("llm_qos_resumes", "Streams preempted after their client was shown tokens, to be resumed where they stopped, by pool, engine and group.", ["pool", "engine", "group"], registry=r)
         )
         for reason in ABORT_REASONS:
             self.upstream_aborts.labels(reason)
