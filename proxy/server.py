@@ -95,7 +95,7 @@ ACCESS_LOG_BUFFER = 256  # lines
 ACCESS_LOG_FLUSH_S = 1.0
 
 
-def configure_logging(log_format: str = "text", access_log: str | None = None, worker: int | None = None) -> logging.handlers.MemoryHandler:
+def configure_logging(log_format: str = "text", access_log: str | None = None, worker: int | None = None) -> log_format_module.AccessLogBuffer:
     """Set up the two logs (:mod:`proxy.telemetry.log_format`): the diagnostic log on stderr as
     ``log_format`` (``text`` or ``json``); the access log, one JSON object per line, on
     stderr or appended to the file ``access_log`` (reopened when logrotate moves it).
@@ -104,7 +104,8 @@ def configure_logging(log_format: str = "text", access_log: str | None = None, w
 
     The access log is buffered like nginx's ``access_log ... buffer= flush=``: written in
     batches of ``ACCESS_LOG_BUFFER`` lines, and at least every ``ACCESS_LOG_FLUSH_S``
-    seconds by :func:`serve`, so the hot path pays no write system call per request.
+    seconds by :func:`serve`, so the hot path pays no write system call per request;
+    each batch is one write (:class:`proxy.telemetry.log_format.AccessLogBuffer`).
     Returns the access log's buffer.
 
     Raises:
@@ -127,7 +128,7 @@ def configure_logging(log_format: str = "text", access_log: str | None = None, w
     access = logging.getLogger("llm_qos.access")
     for h in list(access.handlers):
         access.removeHandler(h)
-    buffer = logging.handlers.MemoryHandler(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=target, flushOnClose=True)
+    buffer = log_format_module.AccessLogBuffer(ACCESS_LOG_BUFFER, flushLevel=logging.ERROR, target=target, flushOnClose=True)
     access.addHandler(buffer)
     access.propagate = False
     return buffer

@@ -16,6 +16,7 @@ logger's name in text, ``"worker": I`` in each JSON object (the access log's fir
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import time
 
 import orjson
@@ -83,3 +84,45 @@ def access_formatter(worker: int | None = None) -> logging.Formatter:
     """The access log's formatter: the line as built; with ``worker`` (one of
     ``--workers`` processes), ``"worker": I`` added to its JSON object."""
     return ACCESS_FORMATTER if worker is None else _WorkerAccessFormatter(worker)
+
+
+class AccessLogBuffer(logging.handlers.MemoryHandler):
+    """The access log's buffer (like nginx's ``access_log ... buffer=``): records are kept
+    until ``capacity`` of them are held (or one at ``flushLevel`` comes, or :meth:`flush`
+    is called), then written to ``target`` **in one write**: the lines formatted by the
+    target's formatter, joined, written to its stream and flushed once. The standard
+    ``MemoryHandler`` hands each record to the target on its own, which costs a
+    ``write`` system call per line, and with a ``WatchedFileHandler`` an ``os.stat`` per
+    line as well (its rotation check, here once per batch).
+
+    A target that is not a ``logging.StreamHandler``, or one with filters of its own, gets
+    the records one by one as from ``MemoryHandler``. A batch that cannot be formatted or
+    written is reported through the target's ``handleError`` (logging's own rule: a
+    logging failure never raises into the program) and dropped.
+    """
+
+    def flush(self) -> None:
+        """Write the buffered records to the target (see the class docstring)."""
+        self.acquire()
+        try:
+            target, records = self.target, self.buffer
+            if target is None or not records:
+                return
+            self.buffer = []
+            if not isinstance(target, logging.StreamHandler) or target.filters:
+                for record in records:
+                    target.handle(record)
+                return
+            target.acquire()
+            try:
+                if isinstance(target, logging.handlers.WatchedFileHandler):
+                    target.reopenIfNeeded()  # logrotate moved the file: write to the new one
+                terminator = target.terminator
+                target.stream.write("".join([target.format(r) + terminator for r in records]))
+                target.flush()
+            except Exception:
+                target.handleError(records[-1])
+            finally:
+                target.release()
+        finally:
+            self.release()
