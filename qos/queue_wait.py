@@ -29,10 +29,11 @@ class of priority rank ``r`` (strict priority serves higher classes first):
   class's and the classes above) are few enough to be started within ``T``;
 
 ``wait = max(n_room, n_group, n_timely) / R``. Refused clients told to come back are
-counted too: each :class:`QueueWait` keeps, per class, the time the last one was told
-(its *promise*), and a new refusal is told ``max(wait, last promise + 1/R - now)``, so
-clients refused together come back one start apart instead of all at once (each would
-otherwise find the one free place taken by the first). The answer is bounded to
+counted too: each :class:`QueueWait` keeps, per class, the start the last one was
+expected at (its *promise*, before the 1 s floor), and a new refusal is told
+``max(wait, last promise + 1/R - now)``, so clients refused together come back one
+start apart instead of all at once (each would otherwise find the one free place taken
+by the first). The answer is bounded to
 ``[1 s, MAX_RETRY_AFTER_S]``; the header says it in whole seconds, rounded up
 (RFC 9110 §10.2.3: ``Retry-After`` is a non-negative integer of seconds).
 
@@ -180,10 +181,9 @@ class QueueWait:
         last = self._promised.get(group)
         if last is not None and last + 1.0 / rate > now + wait:
             wait = last + 1.0 / rate - now
-        wait = bounded(wait)
         if promise:
-            self._promised[group] = now + wait
-        return wait
+            self._promised[group] = now + min(wait, MAX_RETRY_AFTER_S)  # the start it is expected at, before the 1 s floor
+        return bounded(wait)
 
     def forget(self, groups: Sequence[str]) -> None:
         """Keep promises only for ``groups`` (the classes of a new policy)."""

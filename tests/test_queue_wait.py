@@ -175,3 +175,10 @@ def test_a_timed_out_request_is_told_when_it_would_be_started_in_time():
     assert out and all(t.refusal.reason is RefusalReason.TIMEOUT for t in out)
     first = out[0].refusal.retry_after_s
     assert first > 1.0  # the queue ahead (7 at 1/s) is more than its 5 s timeout
+
+
+def test_the_one_second_floor_does_not_push_the_promises():
+    w = QueueWait()
+    # 10 starts/s: clients refused together are expected 0.1 s apart; all told 1 s
+    assert [w.retry_after_s(0.0, "g", 1.0, 10.0) for _ in range(10)] == [1.0] * 10
+    assert w.retry_after_s(0.0, "g", 1.0, 10.0) == pytest.approx(1.1)  # the eleventh

@@ -300,6 +300,9 @@ class Admission:
             ticket.context = Waiting(None, key, p, asyncio.current_task())
             return ticket
         ticket.context = Waiting(asyncio.get_running_loop().create_future(), key, p, asyncio.current_task())
+        if p.watchers and (watch := p.watchers.get(ticket.context.task)) is not None:
+            watch.ticket = ticket  # its client asked for its queue status (:mod:`.queue_status`)
+            watch.moved.set()
         await self._wait(ticket)
         return ticket
 

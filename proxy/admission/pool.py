@@ -12,13 +12,14 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qos import RefusalReason, Refused, Scheduler, Ticket
 
 from ..config.pools import PoolSpec
 from ..routing.router import PoolRouter
 from ..wire.errors import retry_after_seconds
+from .queue_status import moved
 
 TIMER_SLACK_S = 0.01  # admission's timers fire this much after their deadline (the loop may round down)
 
@@ -64,6 +65,9 @@ class Pool:
             (:mod:`proxy.admission.preemption`).
         hold_timer: fires when its scheduler's earliest slot hold ends
             (:meth:`qos.Scheduler.next_hold_end`), so an unused held slot goes to the queue.
+        watchers: the waiting requests whose clients asked for their queue status, by
+            task (:class:`proxy.admission.queue_status.QueueWatch`); signalled at each
+            dispatch and refusal of a waiting request.
     """
 
     spec: PoolSpec
@@ -74,6 +78,7 @@ class Pool:
     preempt_timer: asyncio.TimerHandle | None = None
     preempt_due: float | None = None
     hold_timer: asyncio.TimerHandle | None = None
+    watchers: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -97,6 +102,8 @@ def wake(ticket: Ticket) -> None:
     w = ticket.context
     if isinstance(w, Waiting) and w.fut is not None and not w.fut.done():
         w.fut.set_result(None)
+        if w.pool is not None and w.pool.watchers:
+            moved(w.pool.watchers)
 
 
 def refuse(ticket: Ticket) -> None:
@@ -104,6 +111,8 @@ def refuse(ticket: Ticket) -> None:
     w = ticket.context
     if isinstance(w, Waiting) and w.fut is not None and not w.fut.done():
         w.fut.set_exception(fresh_refusal(ticket.refusal))
+        if w.pool is not None and w.pool.watchers:
+            moved(w.pool.watchers)
 
 
 def fresh_refusal(refusal: Refused) -> Refused:

@@ -49,6 +49,7 @@ from qos.objectives import TPOT, TTFT
 
 from ..admission.admission import Pool
 from ..admission.admitted import Admitted
+from ..admission.queue_status import QUEUE_REASONS, WaitReporter, queue_answer, wants_status
 from ..relay.answer import relay_answer
 from ..relay.engine_body import engine_plan
 from ..relay.relay import CLIENT_CLOSED, Exchange
@@ -108,15 +109,24 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
         return req  # answered before admission: 400, 401, 404, 413
     parsed = req.parsed
     admitted = Admitted(state.admission, req.pool, ex.user, parsed.prompt_tokens, parsed.max_tokens, parsed.choices, key=req.key, admit=req.admit)
+    status = req.admit and wants_status(request.headers)  # its queue status, opt-in (proxy.admission.queue_status)
+    reporter = WaitReporter(request, req.pool, ex.request_id, asyncio.get_running_loop().time) if status and parsed.stream and not kind.opaque else None
     try:
         async with admitted:
+            if reporter is not None:
+                req.early = await reporter.stop()
             _dispatched(ex, admitted)
-            return await _serve(request, ex, req, admitted, state)
+            resp = await _serve(request, ex, req, admitted, state)
+            return resp if not status else await queue_answer(resp, req.early, ex.queue_wait, None)
     except Refused as r:
         if admitted.entered:
             raise  # not admission's: only entering refuses (_serve answers a requeue's)
         state.metrics.requests.labels(ex.group, m.OUTCOME_REFUSED).inc()
-        return _refused(state, ex, r)
+        resp = _refused(state, ex, r)
+        if not status:
+            return resp
+        place = req.pool.scheduler.would_wait(ex.group) if r.reason in QUEUE_REASONS else None
+        return await queue_answer(resp, None if reporter is None else await reporter.stop(), ex.queue_wait, place)
     except asyncio.CancelledError:
         if not admitted.entered:
             ex.queue_wait = asyncio.get_running_loop().time() - ex.arrived_at
@@ -124,6 +134,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
             ex.outcome, ex.detail = m.OUTCOME_CLIENT_GONE, "while queued"
         raise
     finally:
+        if reporter is not None:
+            reporter.close()
         if admitted.entered:  # released by now; its metrics after the response has gone out
             asyncio.get_running_loop().call_soon(state.metrics.observe_request, ex, parsed.prompt_tokens)
 
@@ -143,6 +155,8 @@ class _Resolved:
         admit: it waits for admission (``False``: ``passthrough.admit: false``).
         trace: the client's trace headers, sent upstream.
         body_headers: a pass-through body's ``Content-Type`` and ``Accept``, or ``None``.
+        early: a stream's response already sent while it waited, its client having
+            asked for its queue status (:mod:`proxy.admission.queue_status`), else ``None``.
     """
 
     kind: RequestKind
@@ -156,6 +170,7 @@ class _Resolved:
     admit: bool
     trace: dict[str, str]
     body_headers: dict[str, str | None] | None
+    early: web.StreamResponse | None = None
 
 
 async def _resolve(request: web.Request, ex: Exchange, kind: RequestKind, state: ProxyState) -> _Resolved | web.Response:
@@ -283,6 +298,7 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                     on_progress=progress if resume is None or not resume.part else (lambda n, done=resume.done_tokens: progress(n + done)),
                     show=admitted.show if resume is None else _unshown,  # a resumable stream stays preemptible until pinned
                     hold_headers=admitted.holds_headers,  # with preemption on, a stream's headers wait for its first event
+                    early=req.early,
                     resume=resume,
                 )
             except asyncio.CancelledError:

@@ -50,6 +50,7 @@ async def relay_answer(
     on_progress: Callable[[int], None],
     show: Callable[[], None],
     hold_headers: bool,
+    early: web.StreamResponse | None = None,
     resume: StreamResume | None = None,
 ) -> web.StreamResponse:
     """Relay ``upstream``'s answer to ``request`` (see the module docstring).
@@ -71,6 +72,9 @@ async def relay_answer(
             the request is never preempted).
         hold_headers: a stream's status line and headers wait for its first event
             (``show`` is called then); else ``show`` is called at once.
+        early: a stream's response already sent (status 200 and headers) while it
+            waited (:mod:`proxy.admission.queue_status`); an event stream is written on
+            it; any other answer comes back as it is, for the caller to end it with.
         resume: a resumable stream's state (:mod:`.resume`), or ``None``. In a resumed
             part (its client already shown the stream), an answer that is not a 200
             event stream ends the client's stream with an error event.
@@ -120,6 +124,7 @@ async def relay_answer(
             strip_usage=plan.strip_usage,
             base_url=base_url,
             on_show=show if hold_headers else None,
+            early=early,
             resume=resume,
         )
     try:

@@ -252,6 +252,7 @@ async def relay_stream(
     strip_usage: bool = False,
     base_url: str | None = None,
     on_show: Callable[[], None] | None = None,
+    early: web.StreamResponse | None = None,
     resume: "StreamResume | None" = None,
 ) -> web.StreamResponse:
     """Relay an SSE answer chunk by chunk, with the upstream's status and headers.
@@ -278,6 +279,9 @@ async def relay_stream(
             ``on_show()`` is called right before they go to the client: until then the
             client has been shown nothing (a request still waiting inside the engine
             may be preempted, :mod:`proxy.admission.admission`). ``None``: headers at once.
+        early: the client's response, its status and headers already sent while the
+            request waited in its queue (:mod:`proxy.admission.queue_status`): the
+            stream is written on it (the engine's status and headers are not sent).
         resume: a resumable stream's state (:class:`proxy.relay.resume.StreamResume`):
             the bytes written go through its ``feed`` (after the usage stripper), and a
             later part writes on the response the first part made (its status and
@@ -304,7 +308,7 @@ async def relay_stream(
             headers["Cache-Control"] = "no-cache"
         headers["X-Accel-Buffering"] = "no"  # nginx in front: do not buffer the stream
     if resume is None or resume.response is None:
-        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        resp = early if early is not None else web.StreamResponse(status=upstream.status, headers=headers)
         if resume is not None:
             resume.response = resp
     else:
@@ -319,14 +323,19 @@ async def relay_stream(
         feed = resume.feed if stripper is None else (lambda c, s=stripper.feed, r=resume.feed: r(s(c)))
     watchdog = _WriteWatchdog(loop, write_timeout_s)
 
+    shown = resp.prepared and resp is not early  # an early response has shown only its wait
+
     async def show() -> None:
-        if resp.prepared:
+        nonlocal shown
+        if shown:
             return
+        shown = True
         if on_show is not None:
             on_show()
-        watchdog.pending_since = loop.time()  # the headers are the first write
-        await resp.prepare(request)  # a client gone by now is a reset here: handled below
-        watchdog.pending_since = None
+        if not resp.prepared:
+            watchdog.pending_since = loop.time()  # the headers are the first write
+            await resp.prepare(request)  # a client gone by now is a reset here: handled below
+            watchdog.pending_since = None
         ex.status = upstream.status
 
     try:
@@ -341,7 +350,7 @@ async def relay_stream(
                     ex.first_byte_at = now
                 out = chunk if feed is None else feed(chunk)
                 if out:
-                    if not resp.prepared:
+                    if not shown:
                         await show()
                     watchdog.pending_since = now
                     await resp.write(out)  # waits while the client's socket is full
