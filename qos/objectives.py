@@ -214,6 +214,19 @@ class LatencyWindow:
         self.advance(now)
         return reading_of(self.requests, self.met, self._total, percentile)
 
+    def recent(self, now: float, seconds: float) -> tuple[int, int]:
+        """``(requests, met)`` of the slices covering the last ``seconds`` at ``now``:
+        the current slice and the ``ceil(seconds / slice) - 1`` before it (at least the
+        current one, at most the whole window). O(slices)."""
+        current = math.floor(now / self._slice_s)
+        oldest = current - min(self.slices, max(1, math.ceil(seconds / self._slice_s - 1e-9))) + 1
+        n = met = 0
+        for j, no in enumerate(self._ring_no):
+            if oldest <= no <= current:
+                n += self._ring_n[j]
+                met += self._ring_met[j]
+        return n, met
+
 
 @dataclass(slots=True)
 class ObjectiveReport:
@@ -323,6 +336,19 @@ class ObjectiveTracker:
             rep = out[group][name]
             rep.overall = reading_of(n, met, hist, rep.objective.percentile)
         return out
+
+    def recent(self, now: float, group: str, name: str, pool: str, seconds: float) -> tuple[int, int]:
+        """``(requests, met)`` of ``group``'s objective ``name`` over the last
+        ``seconds`` (:meth:`LatencyWindow.recent`), summed over the engines of ``pool``;
+        ``(0, 0)`` when none was recorded. O(windows) (for objective protection:
+        :mod:`qos.objective_protection`)."""
+        n = met = 0
+        for (g, o, engine), w in self._windows.items():
+            if g == group and o == name and engine[0] == pool:
+                r, m = w.recent(now, seconds)
+                n += r
+                met += m
+        return n, met
 
     def windows(self) -> int:
         """Windows held now (for the memory bound's tests)."""

@@ -140,6 +140,7 @@ class Scheduler:
         self._busy_at: dict[str, float] = {}  # class -> when it last had work or was turned away
         self.queued = 0
         self.closed = False
+        self.hold_below: int | None = None  # objective protection: classes ranked after it get no new dispatch (:meth:`hold_back`)
         self.waits = QueueWait()  # the drain rate, for Retry-After and waiting requests' estimates
         self._apply(policy)
 
@@ -170,6 +171,8 @@ class Scheduler:
         # its own room: qos.capacity.occupied)
         while self.queued and cap.occupied < cap.slots:
             for queue in self._candidates():
+                if self._held(self._rank[queue.name]):
+                    continue  # objective protection holds its new work back
                 head = queue.peek(self._accounts)
                 assert head is not None
                 free = cap.slots - cap.inflight  # <= 0 while a lower class's excess drains: no slot to keep
@@ -386,6 +389,25 @@ class Scheduler:
         gpol = self.policy.groups[rank]
         return starts_needed(self.queued, self.policy.max_queue, above, len(self._order[rank]), gpol.max_queue, rate, self.policy.queue_timeout_s)
 
+    def hold_back(self, below: int | None) -> None:
+        """Objective protection's first step (:mod:`qos.objective_protection`): while
+        ``below`` (a class index) is set, the classes ranked after it get no new dispatch
+        (their heads neither go nor preempt; what runs finishes), except a class under
+        its ``min_share`` floor. ``None`` lifts it and dispatches what fits."""
+        lifted = self.hold_below is not None and (below is None or below > self.hold_below)
+        self.hold_below = below
+        if lifted:
+            self._dispatch()
+
+    def _held(self, idx: int) -> bool:
+        """Whether class index ``idx`` is held back by :meth:`hold_back` now."""
+        return self.hold_below is not None and idx > self.hold_below and not self._under_floor(idx)
+
+    def under_floor(self, group: str) -> bool:
+        """Whether ``group`` has a ``min_share`` and is at or under it (owed service)."""
+        idx = self._rank.get(group)
+        return idx is not None and self._under_floor(idx)
+
     def _under_floor(self, idx: int) -> bool:
         """Whether class index ``idx`` has a ``min_share`` and its decayed share is at or
         below it (then it is owed: it ranks first, for dispatch and for eviction)."""
@@ -597,6 +619,8 @@ class Scheduler:
         if blocked is None:
             return None
         rank, _q, head, _a = blocked
+        if self._held(rank):
+            return None
         if not any(self._inflight_by_group.get(g.name) for g in self.policy.groups[rank + 1 :]):
             return None
         return head.enqueued_at + after_s
@@ -623,7 +647,7 @@ class Scheduler:
             if blocked is None:
                 break
             rank, queue, head, acct = blocked
-            if self._clock() - head.enqueued_at < after_s:
+            if self._clock() - head.enqueued_at < after_s or self._held(rank):
                 break
             found = victim(
                 rank, head, self.inflight, self._rank, self._accounts, self._under_floor, self.capacity_model, max_preemptions, eligible

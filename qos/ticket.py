@@ -29,6 +29,8 @@ class RefusalReason(enum.Enum):
     SHUTDOWN = "shutting_down"
     TOO_LARGE = "request_too_large"  # its reservation can never fit max_inflight_tokens
     NO_ENGINE = "no_healthy_engine"  # no engine of its pool is in rotation (raised by the capacity's owner)
+    OBJECTIVE_PROTECTION = "objective_protection"  # shed for a higher group missing its objective (qos.objective_protection)
+    OBJECTIVE_UNREACHABLE = "objective_unreachable"  # its group's TTFT objective cannot be met (on_miss: reject)
 
 
 class Refused(Exception):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from qos import CostModel, GroupPolicy, RateLimit, SchedulerPolicy, UserPolicy
 from qos.capacity_control import ControlSettings
+from qos.objective_protection import ProtectionSettings
 from qos.objectives import DEFAULT_WINDOW_S, OBJECTIVES, Objective
 
 from .pools import EngineServer, PassthroughConfig, PoolConfig, PoolSpec, base_url, check_pools, check_resume, resolve_pools
@@ -358,7 +359,14 @@ class GroupConfig(_Model):
     ``ttft_target_s``, time to first token from arrival (queue included), and
     ``tpot_target_s``, time per output token, each met by ``ttft_percentile`` /
     ``tpot_percentile`` percent of the group's requests (default 95, in (0, 100)). A
-    percentile without its target is refused. No target: nothing is measured."""
+    percentile without its target is refused. No target: nothing is measured. While a
+    group with objectives misses one, the groups below it give way in steps
+    (``objectives.protection``, :mod:`qos.objective_protection`).
+
+    ``on_miss`` (``serve``): ``reject`` refuses at once (``429 objective_unreachable``) a
+    request that cannot meet the group's TTFT objective given the group's requests
+    waiting before it and its measured drain rate, instead of serving it late; it needs
+    ``ttft_target_s``."""
 
     name: str = Field(min_length=1)
     users: list[UserConfig] = []
@@ -372,9 +380,12 @@ class GroupConfig(_Model):
     ttft_percentile: float = Field(default=DEFAULT_OBJECTIVE_PERCENTILE, gt=0, lt=100)
     tpot_target_s: float | None = Field(default=None, gt=0, le=3600)
     tpot_percentile: float = Field(default=DEFAULT_OBJECTIVE_PERCENTILE, gt=0, lt=100)
+    on_miss: Literal["serve", "reject"] = "serve"
 
     @model_validator(mode="after")
     def _percentile_with_target(self) -> "GroupConfig":
+        if self.on_miss == "reject" and self.ttft_target_s is None:
+            raise ValueError("on_miss: reject needs ttft_target_s (the objective a request is refused for missing)")
         for name in OBJECTIVES:
             # by value, not by which keys were written: a config dumped and read again
             # (``--upstream`` rebuilds it so) must read the same
@@ -392,14 +403,54 @@ class GroupConfig(_Model):
         return tuple(out)
 
 
+class ProtectionConfig(_Model):
+    """Objective protection (``objectives.protection``; the rule:
+    :mod:`qos.objective_protection`, docs/scheduling.md).
+
+    ``enabled`` (true): while a group with objectives is at risk in a pool, the groups
+    below it give way there in steps (hold their new work, preempt at once, shed their
+    newest waiting requests). ``wait_fraction`` (0.5): a group is about to miss when its
+    request waiting longest has waited this fraction of its ``ttft_target_s``.
+    ``recent_s`` (10): the span of the objectives window whose attainment says a group
+    is missing; ``min_requests`` (10): the fewest values in it that say so.
+    ``step_s`` (``auto``): seconds each step is given before the next (``auto``: half
+    the protected group's ``ttft_target_s``, at least 0.05; 1 s for a ``tpot`` objective
+    alone). ``shed_fraction`` (0.5): the part of the lower groups' waiting requests shed
+    at each step. ``interval_s`` (0.1): how often each pool is checked while it has work.
+    ``drain_window_s`` (10) and ``min_backlog_s`` (1): a group's drain rate (for
+    ``on_miss: reject``) is measured over that window, once the group has waited that
+    long in it.
+    """
+
+    enabled: bool = True
+    wait_fraction: float = Field(default=0.5, gt=0, le=1)
+    recent_s: float = Field(default=10.0, gt=0, le=3600)
+    min_requests: int = Field(default=10, ge=1, le=1_000_000)
+    step_s: Literal["auto"] | Annotated[float, Field(gt=0, le=600)] = "auto"
+    shed_fraction: float = Field(default=0.5, gt=0, le=1)
+    interval_s: float = Field(default=0.1, ge=0.01, le=10)
+    drain_window_s: float = Field(default=10.0, ge=1, le=3600)
+    min_backlog_s: float = Field(default=1.0, gt=0, le=3600)
+
+    def settings(self) -> ProtectionSettings:
+        """These keys as :class:`qos.objective_protection.ProtectionSettings`."""
+        return ProtectionSettings(
+            enabled=self.enabled, wait_fraction=self.wait_fraction, recent_s=self.recent_s, min_requests=self.min_requests,
+            step_s=None if self.step_s == "auto" else float(self.step_s), shed_fraction=self.shed_fraction,
+            drain_window_s=self.drain_window_s, min_backlog_s=self.min_backlog_s,
+        )  # fmt: skip
+
+
 class ObjectivesConfig(_Model):
-    """How the groups' latency objectives are measured (:mod:`qos.objectives`).
+    """How the groups' latency objectives are measured (:mod:`qos.objectives`), and
+    kept (``protection``: :class:`ProtectionConfig`).
 
     ``window_s`` (60): the sliding window attainment and the measured percentile cover,
     seconds (5..3600). A reload that changes it starts every objective's window afresh.
     """
 
     window_s: float = Field(default=DEFAULT_WINDOW_S, ge=5, le=3600)
+    protection: ProtectionConfig = ProtectionConfig()
 
 
 class SharedStateConfig(_Model):
