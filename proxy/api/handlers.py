@@ -20,7 +20,10 @@ LightLLM's native routes, pass-through), as five named steps; the routes
    request preempted before its client was shown anything (:func:`_serve`) closes its
    upstream request, waits at the head of its queue
    (:meth:`~proxy.admission.admitted.Admitted.requeue`), and goes to step 3 again with
-   the engine it is given then: its client sees only the later answer.
+   the engine it is given then: its client sees only the later answer. With
+   ``preemption.resume``, a stream that has shown tokens may be preempted too: its
+   client's stream stays open, and the next dispatch continues the text already sent
+   (:mod:`proxy.relay.resume`).
 5. **account** (:func:`_settle`, the ``async with``'s exit, :func:`handle_generation`):
    the engine's health verdict (:meth:`_Attempt.judge`, the one caller of
    :func:`proxy.routing.exchange_verdict.exchange_verdict`); the upstream released, or
