@@ -310,7 +310,7 @@ async def relay_stream(
     if resume is None or resume.response is None:
         resp = early if early is not None else web.StreamResponse(status=upstream.status, headers=headers)
         if resume is not None:
-            resume.response = resp
+            resume.response, resume.early = resp, resp is early
     else:
         resp = resume.response  # a resumed part: the client's stream goes on
     length = upstream.content_length
