@@ -7,6 +7,9 @@
   context while admission holds it, and :class:`~.pool.NoEngine` (no engine in rotation).
 * :mod:`.preemption`: ``admission.preemption``: when a lower class's request is taken
   out of flight for a higher class's waiting head, and what happens to its task.
+* :mod:`.objective_protection`: ``objectives.protection`` and ``on_miss: reject``: each
+  pool's checks for a group at risk of missing its objective, the steps that follow
+  (hold, preempt, shed), a group's drain rate.
 * :mod:`.pool_snapshot`: the pools' scheduler snapshots summed, a row per pool and engine.
 * :mod:`.admitted`: one request's hold on admission, an ``async with``
   (:class:`~.admitted.Admitted`): its ticket and engine place, released exactly once

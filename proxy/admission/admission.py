@@ -64,6 +64,7 @@ from ..routing.pool_capacity import PoolCapacity
 from ..routing.router import PoolRouter
 from .pool import TIMER_SLACK_S, NoEngine, Pool, Waiting, fresh_refusal, refuse, wake
 from .pool_snapshot import pools_snapshot
+from .objective_protection import ObjectiveProtection
 from .preemption import OnPreempt, Preemption, arm_preempt_timer, preempt_after_s, preempt_now, take_back_cancel
 from .rate_reservation import SharedRateLimiter, reserve_and_submit
 
@@ -104,6 +105,9 @@ class Admission:
         preemption: the :class:`Preemption` settings (set by the proxy from its config).
         on_preempt: called with ``(pool, engine, ticket)`` for each request preempted
             (``engine``: the one it was taken off); the proxy counts it there.
+        protection: objective protection and ``on_miss: reject``
+            (:class:`proxy.admission.objective_protection.ObjectiveProtection`; the proxy
+            configures it and gives it the objectives' tracker).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class Admission:
         self.on_wait: Callable[[], None] = _nothing
         self.preemption = Preemption()
         self.on_preempt: OnPreempt | None = None
+        self.protection = ObjectiveProtection(lambda: list(self.all_pools()), self._clock, self.rearm)
         self.reconfigure(policy, pools)
 
     # ------------------------------------------------------------------ pools
@@ -135,7 +140,7 @@ class Admission:
         router = PoolRouter(spec, clock=self._clock, leased=self.leased)
         capacity = PoolCapacity(router, self._affinity_of)
         scheduler = Scheduler(
-            policy, clock=self._clock, on_admit=self._wake, on_refuse=self._refuse, rate_limiter=self.rate_limiter, capacity=capacity
+            policy, clock=self._clock, on_admit=self._admitted, on_refuse=self._refuse, rate_limiter=self.rate_limiter, capacity=capacity
         )
         pool = Pool(spec, router, scheduler)
         router.on_engine_removed = self._engine_removed
@@ -233,6 +238,11 @@ class Admission:
     _wake = staticmethod(wake)  # the schedulers' on_admit (bench/live.py passes them on)
     _refuse = staticmethod(refuse)  # their on_refuse
 
+    def _admitted(self, ticket: Ticket) -> None:
+        """The schedulers' ``on_admit``: wake the waiting task; a start for the drain rate."""
+        wake(ticket)
+        self.protection.started(ticket)
+
     def _affinity_of(self, ticket: Ticket) -> str | None:
         w = ticket.context
         return w.key if isinstance(w, Waiting) else self._placing_key
@@ -282,6 +292,7 @@ class Admission:
         p = self.pools[pool] if pool is not None else self.default
         if not p.router.available:
             raise NoEngine(p.name, p.router.retry_after_s())
+        self.protection.arrive(p, user_id, group)  # on_miss: reject refuses here
         sched = p.scheduler
 
         def submit() -> Ticket:
@@ -454,8 +465,15 @@ class Admission:
         """Swap the policy in every pool, pools unchanged; see :meth:`qos.Scheduler.update_policy`."""
         self.reconfigure(policy, [p.spec for p in self.pools.values()])
 
+    def rearm(self, pool: Pool) -> None:
+        """``pool``'s preemption bound changed (objective protection): dispatch what
+        fits and re-arm its preemption timer."""
+        pool.scheduler.dispatch()
+        self._arm_preempt(pool)  # an earlier moment re-arms it
+
     def close(self) -> None:
         """Refuse everything queued (503) and every later request, in every pool."""
+        self.protection.close()
         for p in self.all_pools():
             p.scheduler.close()
             if p.hold_timer is not None:
@@ -540,8 +558,13 @@ class Admission:
 
     def snapshot(self, top_users: int = 20) -> dict:
         """Every pool's scheduler snapshot summed, with a row per pool and per engine
-        (:func:`proxy.admission.pool_snapshot.pools_snapshot`)."""
-        return pools_snapshot(list(self.all_pools()), top_users)
+        (:func:`proxy.admission.pool_snapshot.pools_snapshot`); each pool's row has its
+        ``objective_protection`` (:meth:`ObjectiveProtection.status`)."""
+        pools = list(self.all_pools())
+        snap = pools_snapshot(pools, top_users)
+        for row, p in zip(snap["pools"], pools):
+            row["objective_protection"] = self.protection.status(p)
+        return snap
 
 
 __all__ = ["Admission", "NoEngine", "Pool", "Preemption", "Refused", "RefusalReason"]

@@ -68,6 +68,8 @@ class Pool:
         watchers: the waiting requests whose clients asked for their queue status, by
             task (:class:`proxy.admission.queue_status.QueueWatch`); signalled at each
             dispatch and refusal of a waiting request.
+        preempt_now: objective protection's second step is in force: the preemption wait
+            bound is 0 (:mod:`proxy.admission.objective_protection`).
     """
 
     spec: PoolSpec
@@ -79,6 +81,7 @@ class Pool:
     preempt_due: float | None = None
     hold_timer: asyncio.TimerHandle | None = None
     watchers: dict = field(default_factory=dict)
+    preempt_now: bool = False
 
     @property
     def name(self) -> str:

@@ -53,7 +53,11 @@ class Preemption:
 def preempt_after_s(settings: Preemption, pool: Pool) -> float:
     """Seconds ``pool``'s waiting head waits before preemption: ``after_s`` when set;
     ``auto``: ``max(0.25, 2 x`` the largest baseline TTFT its engines in rotation
-    have measured ``)`` (``EngineState.baseline_ttft_s``), 0.5 while none is known."""
+    have measured ``)`` (``EngineState.baseline_ttft_s``), 0.5 while none is known; 0
+    while objective protection's second step is in force in the pool
+    (:attr:`proxy.admission.pool.Pool.preempt_now`)."""
+    if pool.preempt_now:
+        return 0.0
     if settings.after_s is not None:
         return settings.after_s
     known = [b for e in pool.router.engines.values() if e.in_rotation and (b := getattr(e, "baseline_ttft_s", None))]

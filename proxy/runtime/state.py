@@ -18,6 +18,8 @@ from ..routing.health_checker import HealthChecker
 from ..admission.identity import IdentityResolver
 from ..telemetry.metrics import Metrics, SharedStateCollector
 from ..telemetry.objectives import ObjectivesCollector
+from ..telemetry.protection import ProtectionMetrics
+from ..admission.objective_protection import GroupObjectives
 from ..routing.model_routing import ModelTable
 from ..config.pools import public_url
 from ..routing.engine_state import EngineState
@@ -100,6 +102,12 @@ class ProxyState:
         # the groups' latency objectives, measured per (group, engine) on time.monotonic
         self.objectives = ObjectiveTracker(config.group_objectives(), config.objectives.window_s)
         self.metrics.registry.register(ObjectivesCollector(lambda: self.objectives, time.monotonic))
+        # keeping them: objective protection and on_miss: reject (admission/objective_protection.py)
+        protection = self.admission.protection
+        protection.tracker = lambda: self.objectives
+        self.protection_metrics = ProtectionMetrics(self.metrics.registry, protection.steps)
+        protection.on_step, protection.on_refused = self.protection_metrics.step, self.protection_metrics.refused
+        _protect(self.admission, config)
         self.health: HealthChecker | None = None  # created on startup, inside the loop
         self.started = False
         self.on_engines_synced: list = []  # called (no arguments) after every sync_engines
@@ -141,6 +149,7 @@ class ProxyState:
         self.admission.preemption = _preemption(config)
         self.metrics.add_groups(g.name for g in config.groups)  # new groups' series at 0
         self.objectives.configure(config.group_objectives(), config.objectives.window_s)
+        _protect(self.admission, config)
         self.sync_engines()
         self.active = ActiveConfig(config, identity, digest, models=models)
         self.last_error = None
@@ -208,6 +217,14 @@ class ProxyState:
                 e.client = None
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _protect(admission: Admission, config: Config) -> None:
+    """``objectives.protection`` and the groups' objectives and ``on_miss`` to
+    ``admission.protection`` (its pools' states are kept)."""
+    groups = {g.name: GroupObjectives({o.name: o for o in objs}, g.on_miss) for g in config.groups if (objs := g.objectives())}
+    p = config.objectives.protection
+    admission.protection.configure(p.settings(), p.interval_s, groups)
 
 
 def _preemption(config: Config) -> Preemption:

@@ -5,6 +5,7 @@
   series are read from the routers: :mod:`proxy.routing.engine_metrics`.)
 * :mod:`.objectives`: the groups' latency objectives: a stream's time per output token,
   their series, their status.
+* :mod:`.protection`: objective protection's series (steps, refusals, the step in force).
 * :mod:`.access_log`: the access log's line, one JSON object per request.
 * :mod:`.log_format`: how the access log (one JSON object a line) and the diagnostic log
   are written.
