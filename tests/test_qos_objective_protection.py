@@ -227,3 +227,32 @@ def test_recent_attainment_covers_the_last_slices_only():
     t.observe(1.0, "gold", ("q", "a"), "ttft", 0.9)
     assert t.recent(1.5, "gold", "ttft", "p", 10) == (2, 1)  # the pool's engines only
     assert t.recent(1.5, "silver", "ttft", "p", 10) == (0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.tuples(st.floats(0.0, 0.7), st.booleans()), min_size=1, max_size=60))
+def test_steps_property_one_at_a_time_never_before_the_step_time_and_end_only_after_a_calm_one(events):
+    s, now, step_time = ProtectionState(), 0.0, 0.5
+    risk = [Risk("gold", 0, QUEUE_WAIT, "ttft", 1, 0.5)]
+    last_entry, calm_from = None, None
+    for dt, at_risk in events:
+        now += dt
+        before, since = s.step, s.since
+        entered = s.update(now, risk if at_risk else [], lambda _g: step_time)
+        if at_risk:
+            calm_from = None
+            assert s.step in (before, min(before + 1, SHED))  # one step at a time, none skipped
+            if s.step > before and before != NONE:
+                assert now - since >= step_time  # the previous step had its time
+            assert entered == (s.step if s.step != before else None)
+        else:
+            if before != NONE and calm_from is None:
+                calm_from = now
+            assert s.step in (before, NONE)
+            if s.step == NONE and before != NONE:
+                assert now - calm_from >= step_time and entered == NONE
+                calm_from = None
+        if s.step != before and s.step != NONE:
+            last_entry = now
+        assert s.shed_due(now, step_time) == (s.step == SHED and at_risk and (s.last_shed is None or now - s.last_shed >= step_time))
+    assert last_entry is None or last_entry <= now
