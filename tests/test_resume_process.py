@@ -26,6 +26,7 @@ from proxy.config.loading import parse_config
 from tests.conftest import base_config, wait_until
 from tests.proc_util import free_port
 from tests.proxy_process import start_proxy, stop_proxy
+from tests.scripted_upstream import ScriptedUpstream, chat_chunk, stream
 
 AFTER_S = 0.2
 N = 12  # tokens of the bronze stream
@@ -74,7 +75,7 @@ def _events(raw: bytes) -> list[object]:
     out: list[object] = []
     for ev in raw.split(b"\n\n"):
         ev = ev.strip()
-        if not ev:
+        if not ev or ev.startswith(b":"):  # empty, or a comment (the queue status)
             continue
         assert ev.startswith(b"data: "), ev
         data = ev[6:]
@@ -174,6 +175,73 @@ async def test_a_resumed_chat_stream_is_the_unpreempted_answer_for_its_client(fa
     # charged: both parts' prompts (the second is the first plus the tokens sent, k) and all output
     k = line["prompt_tokens"] - 2 * 10
     assert 3 <= k < N
+
+
+async def test_a_stream_told_its_queue_status_is_resumed_as_one_stream_too(fake, proxy_of):
+    """A stream that asked for its queue status and waited got its 200 and SSE comments
+    before its answer (``x-llm-qos-queue-status``): preempted after its first tokens, it
+    is resumed on that same response, its comments and answer in one stream."""
+    px = proxy_of(_config(fake.url))
+    stats = fake[STATS]
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "count"}], "max_tokens": N, "stream": True, "fake": {"itl_s": ITL_S, "role": True, "tag": "low"}}
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(http.post(px.url + "/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "fake": {"itl_s": 0.1, "tag": "first"}}))
+        await wait_until(lambda: stats.started == 1, timeout=10, what="the slot taken")
+
+        async def low_stream() -> tuple[int, bytes]:
+            headers = {"X-User-Id": "carl", "X-Request-Id": "low-q", "x-llm-qos-queue-status": "1"}
+            async with http.post(px.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                return r.status, await r.read()
+
+        low = asyncio.create_task(low_stream())
+        (await asyncio.wait_for(first, 10)).release()
+        await wait_until(lambda: stats.tokens_sent >= 3 + 3, timeout=10, what="the bronze stream's first tokens")
+        async with http.post(px.url + "/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "fake": {"tag": "high"}}, headers={"X-User-Id": "alice"}) as r:
+            assert r.status == 200
+        st, raw = await asyncio.wait_for(low, 20)
+    assert st == 200 and raw.startswith(b": queue position=")
+    ev = _events(raw)
+    assert _text(ev, True) == "".join(f" t{i}" for i in range(N))
+    objs = [e for e in ev if isinstance(e, dict)]
+    assert {e["id"] for e in objs} == {"chatcmpl-fake"} and not any("error" in e for e in objs)
+    assert sum("role" in (ch.get("delta") or {}) for e in objs for ch in e["choices"]) == 1
+    assert [ch["finish_reason"] for e in objs for ch in e["choices"] if ch.get("finish_reason")] == ["length"]
+    assert stats.tags == ["first", "low", "high", "low"] and stats.aborted == 1
+    line = await _access(px.access, "low-q")
+    assert line["resumes"] == 1 and line["status"] == 200
+
+
+async def test_a_stream_told_its_queue_status_and_preempted_before_its_first_token_starts_over(tmp_path, proxy_of):
+    """Its 200 and comments went out while it waited, then the engine sent its headers at
+    once and nothing more for 2 s (as vLLM before a first token; the scripted engine of
+    tests/scripted_upstream.py): nothing of its answer was shown, so a preemption then
+    restarts it, as any unshown request, instead of resuming an empty answer."""
+    events = [chat_chunk("Hello"), chat_chunk(" there", finish="stop"), b"data: [DONE]\n\n"]
+    with ScriptedUpstream() as up:
+        up.on("first", stream([0.3, *events]))
+        up.on("low", stream([2.0, *events]))
+        up.on("high", stream(events))
+        cfg = _config(up.url)
+        px = proxy_of(cfg)
+        async with aiohttp.ClientSession() as http:
+
+            async def chat(model: str, user: str, rid: str, **headers: str) -> tuple[int, bytes]:
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                async with http.post(px.url + "/v1/chat/completions", json=body, headers={"X-User-Id": user, "X-Request-Id": rid, **headers}) as r:
+                    return r.status, await r.read()
+
+            first = asyncio.create_task(chat("first", "carl", "first"))
+            await wait_until(lambda: len(up.seen_for("first")) == 1, timeout=10, what="the slot taken")
+            low = asyncio.create_task(chat("low", "carl", "low-q0", **{"x-llm-qos-queue-status": "1"}))
+            assert (await asyncio.wait_for(first, 10))[0] == 200
+            await wait_until(lambda: len(up.seen_for("low")) == 1, timeout=10, what="the bronze stream sent to the engine")
+            assert (await asyncio.wait_for(chat("high", "alice", "high"), 10))[0] == 200
+            st, raw = await asyncio.wait_for(low, 20)
+        seen = up.seen_for("low")
+    assert st == 200 and raw.startswith(b": queue position=") and raw.count(b"Hello") == 1
+    assert len(seen) == 2 and "continue_final_message" not in seen[1].json  # sent again as it was
+    line = await _access(px.access, "low-q0")
+    assert line["preemptions"] == 1 and line["resumes"] == 0 and line["status"] == 200
 
 
 async def test_a_resumed_completions_stream_continues_the_prompt(fake, proxy_of):
