@@ -7,6 +7,9 @@ tests/test_preemption_process.py builds its stack:
   requests with ``429 objective_protection`` (and a ``Retry-After``), then the next group
   up; the steps are counted and shown in ``/admin/status``;
 * a group without objectives above it is neither held nor shed;
+* the same through the real proxy process (``python -m proxy proxy``) and the fake
+  engine's own process, the group *about to miss* from its live queue (its head waiting
+  past half its target behind a lower stream that cannot be preempted);
 * ``on_miss: reject`` refuses at once a request whose queue ahead cannot drain within its
   group's TTFT target at the measured drain rate, while a group that serves late queues it.
 """
@@ -15,10 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import aiohttp
+import yaml
 
+from bench.harness import free_port, start_fake_upstream, stop
 from tests.conftest import wait_until
+from tests.proxy_process import start_proxy, stop_proxy
 
 STEP_S = 0.4
 TARGET_S = 0.3
@@ -180,3 +187,59 @@ async def test_on_miss_reject_refuses_at_once_when_the_queue_ahead_cannot_drain_
     refused = await _metric(http, url, "llm_qos_protection_refusals_total")
     assert refused == {'{group="platinum",pool="default",reason="objective_unreachable"}': 1.0}
     assert (await _status(http, url))["unreachable"] == 1
+
+
+async def test_in_the_real_proxy_process_a_waiting_head_past_half_its_target_sheds_the_lowest_newest(tmp_path: Path):
+    groups = [
+        {"name": "platinum", "users": [{"id": "alice"}], "ttft_target_s": 0.4},
+        {"name": "silver", "users": [{"id": "sam"}]},
+        {"name": "bronze", "users": [{"id": "carl"}]},
+    ]
+    cfg = _config(groups, max_inflight=1, step_s=0.3)
+    up_port, px_port = free_port(), free_port()
+    upstream = start_fake_upstream(up_port, tmp_path)
+    cfg["upstream"]["url"] = f"http://127.0.0.1:{up_port}"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    try:
+        proxy = start_proxy(path, px_port, extra_args=["--no-watch"])
+    except BaseException:
+        stop(upstream)
+        raise
+    url = f"http://127.0.0.1:{px_port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+
+            async def queued() -> int:
+                async with http.get(url + "/admin/status", headers={"Authorization": "Bearer adm"}) as r:
+                    return (await r.json())["queued"]
+
+            async def until_queued(n: int) -> None:
+                for _ in range(500):
+                    if await queued() >= n:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{n} never queued")
+
+            # bronze's stream holds the one slot and has shown tokens: it cannot be preempted
+            b0 = asyncio.create_task(_post(http, url, "carl", _body(30, stream=True, itl_s=0.1)))
+            await asyncio.sleep(0.3)
+            lower: dict[str, asyncio.Task] = {}
+            for name, user in (("s1", "sam"), ("b1", "carl"), ("b2", "carl")):
+                lower[name] = asyncio.create_task(_post(http, url, user, _body(2)))
+                await until_queued(len(lower))
+            p1 = asyncio.create_task(_post(http, url, "alice", _body(2)))
+            done = {k: await asyncio.wait_for(t, 10) for k, t in lower.items()}
+            snap = await _status(http, url)
+            assert snap["protected"] == "platinum" and snap["risks"][0]["reason"] == "queue_wait"
+            for name, (status, body, headers, _at) in done.items():
+                assert status == 429 and body["error"]["code"] == "objective_protection", name
+                assert int(headers["Retry-After"]) >= 1
+            at = {k: v[3] for k, v in done.items()}
+            assert max(at["b1"], at["b2"]) < at["s1"]  # half of three (b2, b1) first, silver a step later
+            assert (await asyncio.wait_for(p1, 10))[0] == 200 and (await asyncio.wait_for(b0, 10))[0] == 200
+            steps = await _metric(http, url, "llm_qos_protection_steps_total")
+            assert [steps[f'{{group="platinum",pool="default",step="{s}"}}'] for s in ("hold", "preempt", "shed")] == [1.0, 1.0, 1.0]
+    finally:
+        stop_proxy(proxy)
+        stop(upstream)
