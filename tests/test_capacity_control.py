@@ -176,12 +176,27 @@ def test_requests_waiting_within_the_batch_are_arrivals_not_a_queue():
     for i in range(6):
         c.step(obs(5 + i * 0.5, inflight=128, demand=True, engine_waiting=14, engine_running=87))
     assert c.value == 128 and not c.decreases
-    for now in (10.0, 10.5):  # past its batch: a queue
+    for now in (10.0, 10.5, 11.0):  # past its batch, and not growing from the second on: a queue
         c.step(obs(now, inflight=128, demand=True, engine_waiting=14, engine_running=128))
     assert c.value == 115 and c.reason == REASON_ENGINE_QUEUE
     for i in range(4):  # the queue gone: straight back to the batch, held there
-        c.step(obs(11 + i * 0.5, inflight=115, demand=True, engine_waiting=0, engine_running=115))
+        c.step(obs(11.5 + i * 0.5, inflight=115, demand=True, engine_waiting=0, engine_running=115))
     assert c.value == 128
+
+
+def test_a_load_ramping_up_is_no_queue_while_the_engine_takes_it_in():
+    """A new load's requests wait inside the engine while it takes them in over several
+    steps (prefills share a step's token budget): each report shows some waiting, and
+    more running than the last. That is no queue: read as one, it set the engine's batch
+    at 48 and held a load of 64 streams there for probe_after_s (53 % of going direct).
+    Once the batch stops growing with requests still waiting, it is one."""
+    c = CapacityController(ControlSettings(initial=64, ceiling=128, probe_after_s=30))
+    for i, running in enumerate((16, 28, 40, 48, 56, 64)):
+        c.step(obs(i * 0.5, inflight=64 + 8, demand=True, engine_waiting=72 - running, engine_running=running))
+    assert not c.decreases and c.reason != REASON_ENGINE_QUEUE
+    for now in (3.0, 3.5):  # the batch stopped at 64 with 8 still waiting: the engine is full
+        c.step(obs(now, inflight=72, demand=True, engine_waiting=8, engine_running=64))
+    assert c.decreases == {REASON_ENGINE_QUEUE: 1} and c.value == 64
 
 
 def test_a_request_arriving_mid_step_is_no_queue():

@@ -18,7 +18,15 @@ from proxy.api.app import create_app
 from proxy.config.schema import LoadSignalConfig
 from proxy.config.loading import ConfigError, parse_config
 from proxy.api.handlers import STATE
-from proxy.runtime.load_report import NoSignal, Reading, capacity_for, is_saturated, parse_prometheus, parse_token_load
+from proxy.runtime.load_report import (
+    NoSignal,
+    Reading,
+    capacity_for,
+    is_repeat,
+    is_saturated,
+    parse_prometheus,
+    parse_token_load,
+)
 from proxy.runtime.load_signal import LOAD_SIGNAL
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from tests.conftest import wait_until
@@ -125,9 +133,24 @@ sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B"} 40.0
 
 
 def test_vllm_metrics():
-    assert parse_prometheus(VLLM) == Reading(load=0.42, waiting=5, engine="vllm", running=12)
+    assert parse_prometheus(VLLM) == Reading(load=0.42, waiting=5, engine="vllm", running=12, work=1234.0)
     old = 'vllm:gpu_cache_usage_perc{model_name="x y}z"} 0.5\nvllm:num_requests_waiting{model_name="x"} 0.0 1700000000000\n'
     assert parse_prometheus(old) == Reading(load=0.5, waiting=0, engine="vllm")
+
+
+def test_a_report_of_the_same_engine_step_is_a_repeat():
+    """vLLM sets its gauges and token counters once per engine step; one step can outlast
+    several polls (a full CPU batch, a host short of CPU): the readings it gives meanwhile
+    are one observation, not a queue seen twice."""
+    first = parse_prometheus(VLLM)
+    assert is_repeat(first, parse_prometheus(VLLM))
+    stepped = parse_prometheus(VLLM + 'vllm:generation_tokens_total{engine="0",model_name="m"} 12.0\n')
+    assert stepped.work == 1246.0 and not is_repeat(first, stepped)
+    idle = parse_prometheus(VLLM.replace("} 12.0", "} 0.0").replace("} 3.0", "} 0.0").replace("} 2.0", "} 0.0"))
+    assert not is_repeat(idle, idle)  # an idle engine's repeats say nothing either way
+    assert not is_repeat(None, first)
+    no_counter = Reading(load=0.4, waiting=5, engine="vllm", running=12)
+    assert not is_repeat(no_counter, no_counter)  # an engine without counters: every report counts, as before
 
 
 def test_sglang_metrics():
@@ -188,6 +211,7 @@ class MetricsUpstream:
 
     def __init__(self, text: str = "", status: int = 200) -> None:
         self.text, self.status, self.hits = text, status, 0
+        self.stepping = False  # True: every answer adds a generated token (the engine stepped)
         self.app = make_app()
         self.app.router.add_get("/metrics", self._metrics)
 
@@ -195,7 +219,10 @@ class MetricsUpstream:
         self.hits += 1
         if self.status != 200:
             return web.Response(status=self.status, text="no")
-        return web.Response(text=self.text, content_type="text/plain")
+        text = self.text
+        if self.stepping:
+            text += f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {self.hits}.0\n'
+        return web.Response(text=text, content_type="text/plain")
 
 
 async def _proxy_in_process(aiohttp_server, upstream_url: str, signal: dict, max_inflight: int = 4):
@@ -236,6 +263,29 @@ async def test_vllm_queue_holds_admissions_until_it_drains(aiohttp_server):
             await r.read()
     assert stats.completed == 3
     await wait_until(lambda: sched.capacity == 4, what="no limit once nothing of ours is in flight")
+
+
+async def test_one_engine_step_read_again_is_not_a_queue_seen_twice(aiohttp_server):
+    """An engine step longer than the poll interval gives the same report to several
+    polls (its token counters unmoved): the capacity controller takes it once, so requests
+    waiting in that one step are no queue; the same figures over steps that did work are."""
+    up = MetricsUpstream(VLLM)  # 12 running, 5 waiting: past any batch seen
+    upstream = await aiohttp_server(up.app)
+    cfg = {
+        "upstream": {"url": str(upstream.make_url("")).rstrip("/"), "kind": "openai", "load_signal": FAST},
+        "admission": {"queue_timeout_s": 20},
+        "default_group": "g",
+        "groups": [{"name": "g"}],
+    }
+    app = create_app(parse_config(yaml.safe_dump(cfg)))
+    await aiohttp_server(app)
+    pool = next(iter(app[STATE].admission.pools.values()))
+    control = next(iter(pool.router.engines.values())).control
+    polls = up.hits
+    await wait_until(lambda: up.hits >= polls + 10, what="ten polls of one engine step")
+    assert not control.decreases
+    up.stepping = True  # each poll now reports a step that did work
+    await wait_until(lambda: control.decreases.get("engine_queue", 0) >= 1, what="the queue seen over two steps")
 
 
 async def test_sglang_token_usage_saturates(aiohttp_server):

@@ -23,7 +23,7 @@ from qos.capacity_control import Observation
 
 from ..config.pools import public_url
 from ..config.schema import LoadSignalConfig, UpstreamConfig
-from .load_report import NoSignal, Reading, Source, capacity_for, is_saturated, parse_prometheus, parse_token_load, source_of
+from .load_report import NoSignal, Reading, Source, capacity_for, is_repeat, is_saturated, parse_prometheus, parse_token_load, source_of
 
 log = logging.getLogger("llm_qos.load_signal")
 
@@ -143,8 +143,9 @@ class EnginePoller:
             self._count("ok")
             self._error_streak = 0
             self.no_signal = False
+            # the engine's last step read again is no new observation for the controller
+            self._new_reading = not is_repeat(self.reading, reading)
             self.reading, self.reading_at = reading, self._clock()
-            self._new_reading = True
         fresh = self.reading if self._clock() - self.reading_at <= cfg.stale_after_s else None
         if self.no_signal:
             signal = "no_signal"

@@ -50,7 +50,11 @@ _SGLANG_USAGE = ("sglang:token_usage",)
 _SGLANG_WAITING = ("sglang:num_queue_reqs",)
 _VLLM_RUNNING = ("vllm:num_requests_running",)
 _SGLANG_RUNNING = ("sglang:num_running_reqs",)
-_WANTED = frozenset(_VLLM_USAGE + _VLLM_WAITING + _VLLM_RUNNING + _SGLANG_USAGE + _SGLANG_WAITING + _SGLANG_RUNNING)
+_VLLM_WORK = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+_SGLANG_WORK = ("sglang:prompt_tokens_total", "sglang:generation_tokens_total")
+_WANTED = frozenset(
+    _VLLM_USAGE + _VLLM_WAITING + _VLLM_RUNNING + _VLLM_WORK + _SGLANG_USAGE + _SGLANG_WAITING + _SGLANG_RUNNING + _SGLANG_WORK
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +67,36 @@ class Reading:
         engine: ``lightllm``, ``vllm`` or ``sglang``.
         running: requests the engine runs now (vLLM ``vllm:num_requests_running``, SGLang
             ``sglang:num_running_reqs``; every client's, all replicas'), or ``None``.
+        work: tokens the engine has processed since it started (its prompt and generation
+            token counters summed), or ``None`` when it does not say: a report whose
+            ``work`` has not moved while the engine holds requests is the same engine step
+            read again (:func:`is_repeat`).
     """
 
     load: float | None
     waiting: int | None
     engine: str
     running: int | None = None
+    work: float | None = None
+
+
+def is_repeat(last: Reading | None, new: Reading) -> bool:
+    """Whether ``new`` is the engine's last step read again, not a report of a new one.
+
+    vLLM sets its gauges (``num_requests_running``/``waiting``, KV usage) once per engine
+    step, with its token counters; a step can last longer than the poll interval (vLLM's
+    CPU build at a full batch, or a host short of CPU: measured, one reading of 44
+    running and 24 waiting unchanged for 36 s). Two such readings are one observation: the
+    capacity controller's "two reports in a row" must be two engine steps. True when both
+    carry ``work``, it has not moved, and the engine holds requests (an idle engine's
+    repeats say nothing either way).
+    """
+    return (
+        last is not None
+        and new.work is not None
+        and new.work == last.work
+        and bool(new.running or new.waiting)
+    )
 
 
 class NoSignal(Exception):
@@ -140,20 +168,22 @@ def parse_prometheus(text: str) -> Reading:
         s = _sample(line)
         if s is not None and s[0] in _WANTED:
             found.setdefault(s[0], []).append(s[1])
-    for engine, usage_names, waiting_names, running_names in (
-        ("vllm", _VLLM_USAGE, _VLLM_WAITING, _VLLM_RUNNING),
-        ("sglang", _SGLANG_USAGE, _SGLANG_WAITING, _SGLANG_RUNNING),
+    for engine, usage_names, waiting_names, running_names, work_names in (
+        ("vllm", _VLLM_USAGE, _VLLM_WAITING, _VLLM_RUNNING, _VLLM_WORK),
+        ("sglang", _SGLANG_USAGE, _SGLANG_WAITING, _SGLANG_RUNNING, _SGLANG_WORK),
     ):
         usage = next((found[n] for n in usage_names if n in found), None)
         waiting = next((found[n] for n in waiting_names if n in found), None)
         if usage is None and waiting is None:
             continue
         running = next((found[n] for n in running_names if n in found), None)
+        work = [v for n in work_names for v in found.get(n, ())]
         return Reading(
             load=min(usage) if usage else None,
             waiting=int(sum(waiting)) if waiting else None,
             engine=engine,
             running=int(sum(running)) if running else None,
+            work=sum(work) if work else None,
         )
     raise NoSignal("/metrics has no vLLM or SGLang load metrics")
 
