@@ -124,12 +124,17 @@ class ObjectiveProtection:
         """Take new settings and groups (start-up, reload); every pool keeps its state.
         With protection disabled, or without objectives, every step in force ends now."""
         self.settings, self.interval_s, self.groups = settings, interval_s, dict(groups)
-        for name, live in self._live.items():
+        pools = self._pools()
+        for name in set(self._live) - {p.name for p in pools}:  # pools gone for good
+            live = self._live.pop(name)
+            if live.timer is not None:
+                live.timer.cancel()
+        for live in self._live.values():
             for g in [g for g in live.drains if self.groups.get(g, GroupObjectives({})).on_miss != "reject"]:
                 del live.drains[g]
             if drain_window_changed(live, settings):
                 live.drains = {g: GroupDrainRate(settings.drain_window_s) for g in live.drains}
-        for pool in self._pools():
+        for pool in pools:
             if not self.settings.enabled or not self.groups:
                 self._end(pool)
             self.touch(pool)
@@ -212,6 +217,8 @@ class ObjectiveProtection:
                 drain.backlogged(now, dt)
         if self.settings.enabled and not pool.retired:
             self._step(pool, live, now, depths)
+        elif live.state.step != NONE:
+            self._end(pool)  # a retired pool only finishes what it holds, unheld
         if sched.queued or sched.inflight or live.state.step != NONE:
             self.touch(pool)
         else:
