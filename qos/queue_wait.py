@@ -12,7 +12,7 @@ whatever set their capacity (a hand-set ``max_inflight``, the adaptive controlle
 waits again). Only time with work waiting counts: an idle queue starts what arrives, at
 the arrival rate, which says nothing of what the engines could take. The estimate is the
 inverse of an exponentially weighted moving average of the *busy* time between starts
-(weight :data:`DRAIN_WEIGHT`: about the last ten starts); idle time changes nothing, so
+(weight :data:`DRAIN_WEIGHT`: about the last ten starts; a plain mean of the first ten); idle time changes nothing, so
 what was learned survives a quiet spell. While work waits and nothing starts (an engine
 stalled), the busy time since the last start is used once it exceeds the average, so
 the rate falls at once.
@@ -107,8 +107,10 @@ class DrainRate:
         self.observe(now, waiting)
         if counted:
             gap, self._open = self._open, 0.0
-            self._mean = gap if not self._intervals else self._mean + self.weight * (gap - self._mean)
             self._intervals += 1
+            # a plain mean of the first 1/weight intervals, then the moving average (so
+            # the first interval does not weigh more than the others)
+            self._mean += max(self.weight, 1.0 / self._intervals) * (gap - self._mean)
 
     def rate(self, now: float) -> float | None:
         """Requests started per second while work waited, as of ``now``: ``1 / mean``,

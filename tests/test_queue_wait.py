@@ -46,6 +46,15 @@ def test_idle_time_changes_nothing_and_a_stall_lowers_the_rate():
     assert stalled == pytest.approx(0.1)  # 10 s without a start
 
 
+def test_starts_in_pairs_average_to_their_rate():
+    d = DrainRate()
+    d.observe(0.0, 9)
+    for i in range(1, 3):  # two slots: two starts every 0.5 s (gaps 0.5 and 0)
+        d.started(i * 0.5, 9)
+        d.started(i * 0.5, 9)
+    assert d.rate(1.0) == pytest.approx(4.0)
+
+
 def test_the_average_follows_a_new_rate():
     d = DrainRate()
     d.observe(0.0, 3)
