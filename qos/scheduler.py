@@ -773,9 +773,12 @@ class Scheduler:
         """Waiting requests per class, in priority order."""
         return {q.name: len(q) for q in self._order}
 
-    def drain_rate(self) -> float:
+    def drain_rate(self, measured: bool = False) -> float | None:
         """The rate this queue starts requests at (requests/s): measured while work
-        waited (:class:`qos.queue_wait.DrainRate`), else one per second per slot."""
+        waited (:class:`qos.queue_wait.DrainRate`), else one per second per slot
+        (``measured``: ``None`` instead)."""
+        if measured:
+            return self.waits.drain.rate(self._clock())
         return self.waits.rate(self._clock(), self.capacity_model.slots)
 
     def queue_position(self, ticket: Ticket) -> tuple[int, float] | None:

@@ -52,6 +52,7 @@ async def test_retry_after_follows_the_drain_rate(make_stack, http):
     await _drain_rate_measured(slow, http, per_request_s=2.4)
     rate = slow.state.admission.scheduler.drain_rate()
     assert 0.3 < rate < 0.5, rate  # one start every 2.4 s
+    assert slow.state.admission.snapshot()["pools"][0]["drain_rate"] == round(rate, 3)  # /admin/status
     refused = await _refusals(slow, http, 2)
     assert [s for s, _h, _b in refused] == [429, 429]
     slow_after = [int(h["Retry-After"]) for _s, h, _b in refused]
@@ -158,3 +159,22 @@ async def test_a_client_that_leaves_while_waiting_frees_everything(make_stack, h
     await wait_until(lambda: not sched.inflight, what="nothing in flight")
     assert st.stats.started == 1  # it never reached the engine
     assert not [t for t in asyncio.all_tasks() if "report_while_waiting" in repr(t.get_coro())]
+
+
+async def test_a_waiting_stream_preempted_before_its_first_token_is_one_stream(make_stack, http):
+    st = await make_stack(max_inflight=1, max_queue=10, queue_timeout_s=30, preemption={"after_s": 0.2})
+    sched = st.state.admission.scheduler
+    first = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(2, itl_s=0.3, tag="first")))
+    await wait_until(lambda: st.stats.started == 1, what="the slot taken")
+    # a bronze stream that waits (its status lines), then waits 1 s for its first token
+    low = asyncio.create_task(_post(http, st.proxy_url, st.chat_body(3, stream=True, ttft_s=1.0, tag="low"), OPT_IN))
+    await wait_until(lambda: st.stats.started == 2, timeout=10, what="the bronze stream dispatched")
+    high = await _post(http, st.proxy_url, st.chat_body(2, tag="high"), {"Authorization": "Bearer sk-alice"})
+    assert high[0] == 200
+    status, _h, text = await asyncio.wait_for(low, 15)
+    await first
+    assert st.stats.tags == ["first", "low", "high", "low"] and st.stats.aborted == 1  # preempted once
+    assert status == 200 and _comments(text)[0] == 1 and _comments(text)[-1] == 0
+    data = [ln for ln in text.splitlines() if ln.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and not any('"error"' in d for d in data)
+    assert text.count('"role"') <= 1 and sched.queued == 0 and not sched.inflight

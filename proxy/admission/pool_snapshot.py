@@ -15,7 +15,9 @@ def pools_snapshot(pools: Sequence[Pool], top_users: int = 20) -> dict:
     user served by several pools listed once and counted once in ``users_total``),
     with ``pools``: every pool's name,
     queued, in flight, capacity, retired flag, queue per group and requests preempted
-    there since start (``preemptions``), and ``engines``:
+    there since start (``preemptions``), its measured drain rate (requests started per
+    second while requests waited, ``None`` until measured: :mod:`qos.queue_wait`), and
+    ``engines``:
     every engine (:meth:`proxy.routing.engine_state.EngineState.status`)."""
     snaps = [p.scheduler.snapshot(top_users=top_users) for p in pools]
     snap = snaps[0] if len(snaps) == 1 else merge(snaps, top_users)
@@ -32,6 +34,7 @@ def pools_snapshot(pools: Sequence[Pool], top_users: int = 20) -> dict:
             "retired": p.retired,
             "groups": p.scheduler.queue_depths(),
             "preemptions": p.preemptions,
+            "drain_rate": _rate(p.scheduler.drain_rate(measured=True)),
         }
         for p in pools
     ]
@@ -63,6 +66,10 @@ def merge(snaps: list[dict], top_users: int) -> dict:
                 acc[k] += u[k]
     out["users"] = sorted(users.values(), key=lambda u: (u["recent_service"], u["queued"] + u["inflight"]), reverse=True)[: max(0, top_users)]
     return out
+
+
+def _rate(r: float | None) -> float | None:
+    return None if r is None else round(r, 3)
 
 
 def distinct(groups: Iterable[Iterable[str]]) -> int:
