@@ -11,9 +11,13 @@ import asyncio
 import re
 
 import aiohttp
+import yaml
 
 from proxy.admission.queue_status import QUEUE_ETA_S, QUEUE_POSITION, QUEUE_STATUS, QUEUE_WAIT_S
 from tests.conftest import wait_until
+from tests.proc_util import free_port
+from tests.proxy_process import start_proxy, stop_proxy
+from tests.scripted_upstream import ScriptedUpstream, chat_chunk, stream
 
 OPT_IN = {QUEUE_STATUS: "1"}
 
@@ -178,3 +182,46 @@ async def test_a_waiting_stream_preempted_before_its_first_token_is_one_stream(m
     data = [ln for ln in text.splitlines() if ln.startswith("data: ")]
     assert data[-1] == "data: [DONE]" and not any('"error"' in d for d in data)
     assert text.count('"role"') <= 1 and sched.queued == 0 and not sched.inflight
+
+
+async def test_the_proxy_process_tells_a_waiting_stream_and_only_the_one_that_asks(tmp_path):
+    """The real proxy process (``python -m proxy proxy``) in front of the scripted engine:
+    a stream that asks gets its status lines, then the engine's events; one that does not
+    ask gets the engine's bytes exactly as when it did not wait."""
+    events = [chat_chunk("Hello"), chat_chunk(" there", finish="stop"), b"data: [DONE]\n\n"]
+    with ScriptedUpstream() as up:
+        up.on("busy", stream([1.0, *events]))  # holds the one slot 1 s
+        up.on("m", stream(events))
+        cfg = {
+            "upstream": {"url": up.url, "kind": "openai", "load_signal": {"enabled": False}},
+            "admission": {"max_inflight": 1, "max_queue": 10, "queue_timeout_s": 30},
+            "identity": {"header": "X-User-Id"},
+            "default_group": "bronze",
+            "groups": [{"name": "platinum", "users": [{"id": "alice"}]}, {"name": "bronze"}],
+        }
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        port = free_port()
+        proc = start_proxy(path, port)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def chat(model: str, headers: dict) -> tuple[int, dict, bytes]:
+                    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                    async with http.post(url, json=body, headers={"X-User-Id": "carl", **headers}) as r:
+                        return r.status, dict(r.headers), await r.read()
+
+                alone = await chat("m", {})
+                busy = asyncio.create_task(chat("busy", {}))
+                await wait_until(lambda: len(up.seen_for("busy")) == 1, what="the slot taken")
+                asked = asyncio.create_task(chat("m", OPT_IN))
+                plain = asyncio.create_task(chat("m", {}))
+                (s1, _h1, raw1), (s2, h2, raw2), _ = await asyncio.wait_for(asyncio.gather(asked, plain, busy), 15)
+        finally:
+            stop_proxy(proc)
+    assert s1 == 200 and raw1.startswith(b": queue position=1 eta_s=")
+    text = raw1.decode()
+    assert _comments(text)[-1] == 0 and text.endswith("".join(e.decode() for e in events))
+    assert s2 == alone[0] == 200 and raw2 == alone[2]  # byte for byte: it waited, unseen
+    assert {k for k in h2 if k not in ("Date", "X-Request-Id")} == {k for k in alone[1] if k not in ("Date", "X-Request-Id")}
