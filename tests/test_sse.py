@@ -137,3 +137,29 @@ def test_an_event_that_never_ends_is_bounded(monkeypatch):
     st.feed(b'data: {"usage":null,' + b"x" * 900)
     with pytest.raises(EventTooLarge):
         st.feed(b"x" * 200)
+
+
+FAST_PATH_CASES = [
+    NULL_USAGE,
+    USAGE_ONLY,
+    FINISH,
+    b"data: [DONE]\n\n",
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\r\n\r\n',
+    b'data: {"choices":[{"index":0,"finish_reason":null},{"index":1,"finish_reason":"stop"}]}\n\n',
+    b'data: {"error":{"message":"boom","code":500}}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n' * 3,
+    b'data: {"choices":[{"index":0,"delta":{"content":"[DONE] \\"usage\\""},"finish_reason":null}]}\n\n',
+]
+
+
+@pytest.mark.parametrize("chunk", FAST_PATH_CASES)
+def test_a_whole_chunk_reads_as_its_bytes_one_by_one(chunk):
+    """The scanner's per-chunk fast path (whole one-line events with nothing to parse,
+    counted in place) decides as the general path does, byte by byte."""
+    fast, slow = scan([chunk]), scan([chunk[i : i + 1] for i in range(len(chunk))])
+    got = (fast.tokens, fast.prompt_tokens, fast.done, frozenset(fast.ended_choices), fast.events, fast.error)
+    assert got == (slow.tokens, slow.prompt_tokens, slow.done, frozenset(slow.ended_choices), slow.events, slow.error)
+    stripped = UsageStripper().feed(chunk)
+    bytewise = UsageStripper()
+    assert stripped == b"".join(bytewise.feed(chunk[i : i + 1]) for i in range(len(chunk))) + bytewise.flush()

