@@ -17,12 +17,19 @@ and the ``Retry-After`` values given. A fresh proxy for each policy and burst si
 
     python -m bench.retry_after                        # the table in docs/operations.md
     python -m bench.retry_after --clients 20 60 --policies told fixed1
+    python -m bench.retry_after --engine vllm --clients 20 --max-inflight 4 --tokens 8
+
+``--engine vllm``: the real vLLM CPU engine instead (:func:`bench.real_engine.start_engine`;
+its environment: /work/shared/interop/vllm-cpu.md), each request ``--tokens`` tokens
+(``ignore_eos``). The proxy's capacity is adaptive (the default ``capacity.mode``):
+``--max-inflight`` is only its ceiling, on either engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +45,7 @@ from .harness.servers import start_fake_upstream, start_proxy
 MAX_ATTEMPTS = 30
 KEY = "sk-bench-dave"  # bronze (bench.harness.servers.USERS)
 POLICIES = {"told": None, "fixed1": 1.0, "fixed5": 5.0}
+ADMIN_KEY = "bench-retry-after"  # the proxy's /admin/status: its measured drain rate after the warm-up
 
 
 @dataclass
@@ -71,17 +79,19 @@ async def _client(http: aiohttp.ClientSession, url: str, body: bytes, pause_s: f
     return c
 
 
-async def _burst(proxy_url: str, n: int, pause_s: float | None, tokens: int, warm: int) -> tuple[list[Client], float]:
+async def _burst(proxy_url: str, n: int, pause_s: float | None, tokens: int, warm: int, model: str) -> tuple[list[Client], float, float | None]:
     url = proxy_url + "/v1/chat/completions"
-    body = orjson.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens})
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "ignore_eos": True})
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
         # a backlog first (never refused: it fits in flight and queue), so the proxy has
         # measured its drain rate as in service
         await asyncio.gather(*(_client(http, url, body, None, time.monotonic()) for _ in range(warm)))
+        async with http.get(proxy_url + "/admin/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+            rate = orjson.loads(await r.read())["pools"][0].get("drain_rate")
         start = time.monotonic()
         clients = await asyncio.gather(*(_client(http, url, body, pause_s, start) for _ in range(n)))
-    return list(clients), time.monotonic() - start
+    return list(clients), time.monotonic() - start, rate
 
 
 def _row(policy: str, n: int, clients: list[Client], wall_s: float) -> dict:
@@ -125,16 +135,27 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--itl-s", type=float, default=0.125, help="seconds per token (service time = tokens x itl)")
     ap.add_argument("--warm", type=int, default=None, help="requests sent first, so the drain rate is measured (default: max_inflight + max_queue)")
+    ap.add_argument("--engine", choices=["fake", "vllm"], default="fake")
     args = ap.parse_args()
     service_s = args.tokens * args.itl_s
     warm = args.warm if args.warm is not None else args.max_inflight + args.max_queue
-    print(f"engine: {service_s:.2f} s per request, max_inflight {args.max_inflight}: drain rate {args.max_inflight / service_s:.1f} requests/s; "
-          f"max_queue {args.max_queue}, queue_timeout_s {args.queue_timeout_s:g}")
+    if args.engine == "fake":
+        print(f"engine: {service_s:.2f} s per request, max_inflight {args.max_inflight}: drain rate {args.max_inflight / service_s:.1f} requests/s; "
+              f"max_queue {args.max_queue}, queue_timeout_s {args.queue_timeout_s:g}")
+    os.environ["LLM_QOS_ADMIN_KEY"] = ADMIN_KEY  # the proxies started below inherit it
     rows = []
     with tempfile.TemporaryDirectory(prefix="retry-after-") as tmp:
         work = Path(tmp)
         up_port = h.free_port()
-        upstream = start_fake_upstream(up_port, work, itl_s=args.itl_s)
+        if args.engine == "fake":
+            upstream, model = start_fake_upstream(up_port, work, itl_s=args.itl_s), "fake-model"
+        else:
+            from .real_engine import start_engine
+
+            t = time.monotonic()
+            upstream, _url, model, how = start_engine(up_port, work)
+            print(f"vLLM ready in {time.monotonic() - t:.0f} s: {how}; {args.tokens} tokens a request, proxy max_inflight {args.max_inflight} (ceiling), "
+                  f"max_queue {args.max_queue}", flush=True)
         try:
             for n in args.clients:
                 for policy in args.policies:
@@ -142,10 +163,12 @@ def main() -> None:
                     port = h.free_port()
                     proxy = start_proxy(cfg, port, f"http://127.0.0.1:{up_port}", work)
                     try:
-                        clients, wall = h.run_loop(_burst(f"http://127.0.0.1:{port}", n, POLICIES[policy], args.tokens, warm))
+                        clients, wall, rate = h.run_loop(_burst(f"http://127.0.0.1:{port}", n, POLICIES[policy], args.tokens, warm, model))
                     finally:
                         h.stop(proxy)
-                    rows.append(_row(policy, n, clients, wall))
+                    row = _row(policy, n, clients, wall)
+                    row["drain rate (measured)"] = rate
+                    rows.append(row)
                     print(rows[-1], flush=True)
         finally:
             h.stop(upstream)
