@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name = Path(model_dir).expanduser().absolute().name
         opts = vllm_backend.VllmOptions(
             model_dir, args.host, args.port, served_name=model_name,
-            max_model_len=args.max_model_len, extra_args=engine_args,
+            max_model_len=args.max_model_len, dtype=vllm_backend.default_dtype(), extra_args=engine_args,
         )
         argv_child = vllm_backend.vllm_command(opts, python)
         env = vllm_backend.vllm_env(args.vllm_kv_cache_gib)

@@ -48,6 +48,19 @@ def test_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert why is not None and "AVX2" in why
 
 
+def test_the_dtype_is_the_fast_one_for_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on a GPU and on AVX-512; float32 on an x86-64 CPU with AVX2 alone, where
+    vLLM's bfloat16 path ran 7 times slower (1.21 s against 0.18 s to a first token)."""
+    monkeypatch.setattr(vllm_backend.platform, "machine", lambda: "x86_64")
+    avx2 = "flags\t\t: fpu sse4_2 avx avx2 fma\n"
+    avx512 = "flags\t\t: fpu avx avx2 avx512f avx512bw\n"
+    assert vllm_backend.default_dtype(gpu=False, cpuinfo=avx2) == "float32"
+    assert vllm_backend.default_dtype(gpu=False, cpuinfo=avx512) == "bfloat16"
+    assert vllm_backend.default_dtype(gpu=True, cpuinfo=avx2) == "bfloat16"
+    monkeypatch.setattr(vllm_backend.platform, "machine", lambda: "aarch64")
+    assert vllm_backend.default_dtype(gpu=False, cpuinfo=avx2) == "bfloat16"
+
+
 def test_python_lookup_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(vllm_backend.VLLM_PYTHON_ENV, "/from/env/python")
     assert vllm_backend.find_vllm_python("/explicit/python") == "/explicit/python"
