@@ -35,6 +35,10 @@ LightLLM's native routes, pass-through), as five named steps; the routes
 A client that disconnects cancels the handler task (aiohttp ``handler_cancellation``),
 which unwinds through the same steps wherever the request is: queued, waiting for the
 upstream's first byte, mid-stream, or waiting for a non-streaming body.
+
+One concept over 400 lines: these five steps and the ways out of each (refusal,
+reroute, preemption and resume, the early answer of a waiting stream) are one request's
+lifetime; the steps' work lives in the modules named above.
 """
 
 from __future__ import annotations
