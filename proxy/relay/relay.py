@@ -344,7 +344,8 @@ async def relay_stream(
         broke: Exception | None = None
         reported_at = -PROGRESS_EVERY_S
         try:
-            async for chunk in upstream.content.iter_any():
+            read = upstream.content.readany  # iter_any() without its wrapper coroutine per chunk
+            while chunk := await read():  # b"": the upstream answer ended
                 now = loop.time()
                 if ex.first_byte_at is None:
                     ex.first_byte_at = now
