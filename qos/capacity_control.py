@@ -105,8 +105,8 @@ KV report stops the limit first.
 
 The baseline per-token time is the smallest median seen, drifting up towards newer ones by
 ``baseline_drift`` of the gap per step (so a baseline measured before a model or hardware
-change does not hold forever), and set directly by medians taken while at most two streams
-decode (that *is* the unloaded figure). Until a baseline exists the latency rule is off.
+change does not hold forever), and set directly by medians taken while at most two requests
+run on the engine (ours and, by its report, everyone's: that *is* the unloaded figure). Until a baseline exists the latency rule is off.
 The same is kept for the time to first token (``baseline_ttft_s``), for preemption and
 status; it does not steer the limit.
 
@@ -429,13 +429,21 @@ class CapacityController:
 
     def _learn(self, obs: Observation) -> None:
         drift = self.settings.baseline_drift
+        # unloaded: at most two requests on the engine, ours at any moment of the step
+        # and everyone's by its report; not "at most two streams advanced", which is what
+        # a batch whose steps outlast the control interval shows too (measured on vLLM's
+        # CPU build: with 51 of ours in flight, one stream advanced in a step at 2.4 s a
+        # token, and taken as the unloaded figure it lifted the baseline from 0.06 to
+        # 1.25 s and the latency bound with it: the limit grew past 500)
+        peak = obs.inflight if obs.peak_inflight is None else max(obs.inflight, obs.peak_inflight)
+        unloaded = peak <= 2 and (obs.engine_running is None or obs.engine_running <= 2)
         if obs.tpot_s is not None and obs.tpot_s > 0 and obs.streams >= 1:
             self.tpot_s = obs.tpot_s
-            self.baseline_tpot_s = _baseline(self.baseline_tpot_s, obs.tpot_s, obs.streams <= 2, drift)
+            self.baseline_tpot_s = _baseline(self.baseline_tpot_s, obs.tpot_s, unloaded, drift)
         for t in obs.ttft_s:
             if t > 0 and math.isfinite(t):
                 self.ttft_s = t if self.ttft_s is None else 0.8 * self.ttft_s + 0.2 * t
-                self.baseline_ttft_s = _baseline(self.baseline_ttft_s, t, obs.inflight <= 2, drift)
+                self.baseline_ttft_s = _baseline(self.baseline_ttft_s, t, unloaded, drift)
 
 
 def _baseline(old: float | None, sample: float, unloaded: bool, drift: float) -> float:

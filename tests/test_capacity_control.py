@@ -255,6 +255,22 @@ def test_tokens_slowed_beyond_the_bound_back_off_after_a_sustained_run():
     assert c.value == 90 and c.reason == REASON_LATENCY
 
 
+def test_the_unloaded_per_token_time_is_learnt_only_from_an_unloaded_engine():
+    """A batch whose steps outlast the control interval shows one or two streams advancing
+    in a step, at seconds a token: that is the loaded figure, not the unloaded one (taken
+    as the unloaded one, it lifted the baseline from 0.06 to 1.25 s on vLLM's CPU build
+    and the latency bound with it: the limit grew past 500)."""
+    c = CapacityController(ControlSettings(initial=64, ceiling=1024))
+    c.step(obs(0, inflight=1, tpot_s=0.06, streams=1))
+    assert c.baseline_tpot_s == pytest.approx(0.06)
+    c.step(obs(0.5, inflight=51, tpot_s=2.4, streams=1, demand=True))
+    c.step(obs(1.0, inflight=1, peak_inflight=40, tpot_s=2.4, streams=1))
+    c.step(obs(1.5, inflight=2, tpot_s=2.4, streams=1, engine_running=90))  # others' load
+    assert c.baseline_tpot_s < 0.07
+    c.step(obs(2.0, inflight=2, tpot_s=0.08, streams=2, engine_running=2))  # unloaded: averaged in
+    assert c.baseline_tpot_s == pytest.approx(0.07, rel=0.01)
+
+
 def test_latency_alone_never_takes_more_than_half_the_capacity_found():
     """The stated bound against clients that slow the engine (huge prompts, streams they stop
     reading): latency lowers the limit to no less than latency_floor x the limit of the last
@@ -283,10 +299,10 @@ def test_a_limit_too_low_to_measure_latency_grows_again():
     nothing of latency, and demand grows it (it was held at 1 for good on a real vLLM)."""
     c = CapacityController(ControlSettings(initial=8, ceiling=64, min_streams=4, latency_floor_fraction=0.0))
     _settle_baseline(c)
-    for i in range(60):
-        c.step(obs(i + 1, inflight=c.value, demand=True, tpot_s=5.0, streams=8))
+    for i in range(60):  # the engine busy with others' work too: no unloaded figure
+        c.step(obs(i + 1, inflight=c.value, demand=True, tpot_s=5.0, streams=8, engine_running=50))
     assert c.value == 1
-    c.step(obs(100, inflight=1, demand=True, tpot_s=5.0, streams=1))
+    c.step(obs(100, inflight=1, demand=True, tpot_s=5.0, streams=1, engine_running=50))
     assert c.value > 1
 
 
