@@ -7,10 +7,10 @@ I/O, time is an argument; the proxy measures and applies:
 **At risk.** A group ``G`` with objectives (``ttft_target_s`` and/or ``tpot_target_s``)
 is *at risk* in a pool at a check (:func:`risk_of`) when either
 
-* *about to miss* (source: the pool's live queue): ``G``'s request that has waited
-  longest in the pool's queue has waited at least ``wait_fraction`` (0.5) x ``G``'s
-  ``ttft_target_s`` (its first token cannot come before it leaves the queue, and the
-  engine's prefill still follows); or
+* *about to miss* (source: the pool's live requests): ``G``'s oldest request still
+  without its first token, waiting in the pool's queue or dispatched and waiting inside
+  the engine (its FIFO, or a batch whose steps outlast the target), has waited at least
+  ``wait_fraction`` (0.5) x ``G``'s ``ttft_target_s`` since it arrived; or
 * *missing* (source: the measured objectives, :class:`qos.objectives.ObjectiveTracker`):
   over the last ``recent_s`` (10 s) of the objectives window, summed over the pool's
   engines, ``G`` recorded at least ``min_requests`` (10) values of an objective and the
@@ -109,8 +109,9 @@ class GroupReading:
     Attributes:
         name: the group.
         ttft_target_s: its TTFT target (seconds), ``None`` without one.
-        oldest_wait_s: how long its request waiting longest in the pool has waited
-            (seconds), ``None`` when none waits.
+        oldest_wait_s: how long its oldest request without a first token has waited
+            since it arrived (seconds), in the pool's queue or in flight on an engine
+            (the caller measures both), ``None`` when there is none.
         active: it has requests waiting or in flight in the pool.
         recent: per objective, ``(name, values, within target, goal)`` over the recent
             span (``goal``: percentile / 100).

@@ -97,6 +97,10 @@ class Ticket:
             header, a byte); set by the caller. A shown request is never preempted.
         preemptions: times it was preempted and requeued (:meth:`qos.Scheduler.requeue`).
         context: free slot for the caller (the proxy keeps its wake-up future here).
+        stream: its answer is streamed, so its client waits for a first token (what a
+            time-to-first-token objective times); set by the caller. While it is in
+            flight with no ``output_tokens`` yet, objective protection counts its wait
+            (:mod:`qos.objective_protection`).
     """
 
     seq: int
@@ -122,6 +126,7 @@ class Ticket:
     shown: bool = False
     preemptions: int = 0
     context: Any = field(default=None, repr=False)
+    stream: bool = False
 
     @property
     def reserved_tokens(self) -> int:

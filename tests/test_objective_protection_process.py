@@ -89,7 +89,8 @@ async def test_a_missing_group_holds_lower_work_first_then_sheds_the_lowest_grou
     st = await make_stack(config=_config(groups))
     sched = st.state.admission.scheduler
     url = st.proxy_url
-    await _miss(http, url, "alice")
+    await _miss(http, url, "alice")  # their first tokens were late inside the engine: held meanwhile
+    await wait_until(lambda: sched.hold_below is None, what="calm once platinum's streams are gone")
     assert (await _status(http, url))["step"] == "none"  # missing, but nothing of platinum there
     # platinum in flight again: 60 tokens 0.05 s apart, 3 s of work on one of 4 slots
     long = asyncio.create_task(_post(http, url, "alice", _body(60, stream=True, itl_s=0.05, tag="p-long")))
@@ -117,7 +118,8 @@ async def test_a_missing_group_holds_lower_work_first_then_sheds_the_lowest_grou
     assert st.stats.started == started  # none of them ever reached the engine
     assert (await asyncio.wait_for(long, 10))[0] == 200
     steps = await _metric(http, url, "llm_qos_protection_steps_total")
-    assert {k: v for k, v in steps.items() if v} == {f'{{group="platinum",pool="default",step="{s}"}}': 1.0 for s in ("hold", "preempt", "shed")}
+    # the hold twice: once while _miss's streams waited inside the engine, once now
+    assert {k: v for k, v in steps.items() if v} == {f'{{group="platinum",pool="default",step="{s}"}}': n for s, n in (("hold", 2.0), ("preempt", 1.0), ("shed", 1.0))}
     refused = await _metric(http, url, "llm_qos_protection_refusals_total")
     assert refused['{group="bronze",pool="default",reason="objective_protection"}'] == 3.0
     assert refused['{group="silver",pool="default",reason="objective_protection"}'] == 1.0
@@ -127,6 +129,30 @@ async def test_a_missing_group_holds_lower_work_first_then_sheds_the_lowest_grou
     await wait_until(lambda: sched.hold_below is None, what="protection over")
     assert (await _post(http, url, "carl", _body(2)))[0] == 200
     assert (await _status(http, url))["step"] == "none"
+
+
+async def test_a_stream_dispatched_at_once_but_waiting_inside_the_engine_is_about_to_miss(make_stack, http):
+    """Platinum's stream found a free slot and went at once, but its first token does not
+    come (the engine's FIFO, or a batch whose steps outlast the target): its wait runs
+    there too, so the lower groups' new work is held though platinum waits in no queue."""
+    groups = [
+        {"name": "platinum", "users": [{"id": "alice"}], "ttft_target_s": TARGET_S},
+        {"name": "bronze", "users": [{"id": "carl"}]},
+    ]
+    st = await make_stack(config=_config(groups))
+    sched = st.state.admission.scheduler
+    url = st.proxy_url
+    slow = asyncio.create_task(_post(http, url, "alice", _body(2, stream=True, ttft_s=2.0, tag="p-slow")))
+    await wait_until(lambda: st.stats.started == 1, what="platinum's stream at the engine")
+    assert sched.queued == 0
+    await wait_until(lambda: sched.hold_below == 0, what="the hold below platinum")
+    snap = await _status(http, url)
+    assert snap["protected"] == "platinum" and snap["risks"][0]["reason"] == "queue_wait"
+    bronze = asyncio.create_task(_post(http, url, "carl", _body(2, tag="b")))
+    await wait_until(lambda: sched.queued == 1, what="bronze held though three slots are free")
+    assert st.stats.started == 1
+    assert (await asyncio.wait_for(slow, 10))[0] == 200
+    assert (await asyncio.wait_for(bronze, 10))[0] in (200, 429)  # served after, or shed meanwhile
 
 
 async def test_a_group_without_objectives_above_the_protected_one_is_neither_held_nor_shed(make_stack, http):

@@ -4,8 +4,11 @@ loop (the rule, the steps and the drain rate: :mod:`qos.objective_protection`).
 Per pool, a timer checks every ``objectives.protection.interval_s`` (0.1 s) while the
 pool has requests waiting or in flight, or a step in force, and only when some group has
 objectives (a config without objectives arms nothing). A check reads, for each group with
-objectives in priority order, how long its request waiting longest in the pool's queue
-has waited (:meth:`qos.Scheduler.tickets_waiting`) and its recent attainment over the
+objectives in priority order, how long its oldest request without a first token has
+waited, in the pool's queue (:meth:`qos.Scheduler.tickets_waiting`) or in flight (a
+:attr:`qos.Ticket.stream` with no output yet: dispatched at once, it can wait inside the
+engine, in its FIFO or behind a batch whose steps outlast the target), and its recent
+attainment over the
 pool's engines (:meth:`qos.objectives.ObjectiveTracker.recent`), finds the groups at risk
 (:func:`qos.objective_protection.risk_of`), moves the pool's
 :class:`qos.objective_protection.ProtectionState`, and applies its step:
@@ -235,6 +238,14 @@ class ObjectiveProtection:
                     oldest[t.group] = now - t.enqueued_at
                     if len(oldest) == len(want):
                         break
+        # a request dispatched at once can wait inside the engine (its FIFO, or a batch
+        # whose steps outlast the target): its time to first token runs there too
+        timed = {n for n, g in self.groups.items() if g.ttft_target_s is not None}
+        for t in sched.inflight:
+            if t.stream and t.output_tokens == 0 and t.group in timed:
+                waited = now - t.enqueued_at
+                if waited > oldest.get(t.group, -1.0):
+                    oldest[t.group] = waited
         inflight: dict[str, int] | None = None
         out = []
         for rank, gpol in enumerate(sched.policy.groups):
