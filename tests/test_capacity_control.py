@@ -447,6 +447,30 @@ def test_meter_takes_the_median_of_the_streams_that_advanced():
     assert s.streams == 6 and s.tpot_s == pytest.approx(0.05)  # one slow stream moves no median
 
 
+def test_a_stream_shorter_than_two_steps_is_timed_when_it_ends():
+    """An idle engine's probes are short (16 tokens at 0.05 s: 0.8 s, under two 0.5-s
+    steps): timed only over whole steps they were never measured, and the first figure
+    the latency bound got was a loaded one. The tokens since the last step of a stream
+    that ended count in the next step, from its last token before that step."""
+    m = EngineMeter()
+    t = _T()
+    m.progress(t, 1, 0.2)
+    for i in range(2, 7):
+        m.progress(t, i, 0.2 + 0.05 * (i - 1))  # to 0.45
+    assert m.sample(0.5).tpot_s is None  # started within the step: not timed yet
+    for i in range(7, 17):
+        m.progress(t, i, 0.45 + 0.05 * (i - 6))  # to 0.95
+    m.finished(t)
+    s = m.sample(1.0)
+    assert s.streams == 1 and s.tpot_s == pytest.approx(0.05)
+    assert m.sample(1.5).tpot_s is None  # counted once
+    quick = _T()  # ended before any step: nothing to time it from
+    m.progress(quick, 1, 1.6)
+    m.progress(quick, 3, 1.7)
+    m.finished(quick)
+    assert m.sample(2.0).tpot_s is None
+
+
 def test_a_burst_of_tokens_does_not_look_fast():
     """Tokens delivered together (one read, a proxy's buffer) count by how many came since
     the stream's last token, not by their spacing: a burst is no 0.1 ms per token."""

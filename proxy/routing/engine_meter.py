@@ -38,6 +38,7 @@ class _Stream:
     last_at: float  # clock reading of the last advance
     n_step: int  # output tokens at the last step
     last_at_step: float  # last_at at the last step
+    stepped: bool = False  # n_step and last_at_step were taken at a step (not at its first token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +59,13 @@ class MeterSample:
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
         self._ttft: list[float] = []
         self._sampled_at: float | None = None
+        self._ended: list[float] = []  # per-token times of streams that ended since the last step
 
     def progress(self, ticket: Any, output_tokens: int, now: float) -> None:
         """``ticket`` (a :class:`qos.Ticket`) has produced ``output_tokens`` so far."""
@@ -79,8 +81,14 @@ class EngineMeter:
             st.n, st.last_at = output_tokens, now
 
     def finished(self, ticket: Any) -> None:
-        """``ticket`` ended (released, requeued or moved): forget it."""
-        self._streams.pop(ticket, None)
+        """``ticket`` ended (released, requeued or moved): forget it. Its tokens since the
+        last step count in the next step's median, timed from its last token before that
+        step (so a stream shorter than two steps, an unloaded engine's probe of 16 tokens
+        at 0.05 s, is measured too: without it an idle engine's per-token time, the
+        latency bound's baseline, was never seen before the first load came)."""
+        st = self._streams.pop(ticket, None)
+        if st is not None and st.stepped and st.n > st.n_step and len(self._ended) < 4096:
+            self._ended.append(max(0.0, st.last_at - st.last_at_step) / (st.n - st.n_step))
 
     def sample(self, now: float) -> MeterSample:
         """The measurements since the last call at clock reading ``now`` (and start the
@@ -96,9 +104,11 @@ class EngineMeter:
             whole = span is not None and span > 0 and st.last_at_step <= since  # there all step long
             if st.n > st.n_step and whole:
                 rates.append(max(0.0, st.last_at - st.last_at_step) / (st.n - st.n_step))
-            st.n_step, st.last_at_step = st.n, min(st.last_at, now)
+            st.n_step, st.last_at_step, st.stepped = st.n, min(st.last_at, now), True
         for ticket in gone:
             del self._streams[ticket]
+        rates += self._ended
+        self._ended = []
         ttft, self._ttft = tuple(self._ttft), []
         if not rates:
             return MeterSample(None, 0, ttft)
