@@ -15,10 +15,15 @@ when it ends. Read once per control step with :meth:`sample`:
   them came, not their spacing; and from token to token, not the step's length divided
   by a whole number of tokens, which on a slow engine, two to four tokens a stream per
   step, read 0.125, 0.167 or 0.25 s and nothing between); the step's figure is the
-  **median** over the streams that advanced. A stream
-  that did not advance (its client stopped reading, or it is waiting inside the engine) is
-  left out, and a median is moved by no minority of streams, so a few clients that read
-  slowly or send huge prompts cannot make every stream look slow.
+  **median** over the streams there all step long. One that produced no token in the
+  whole step counts with the time since its last token, a lower bound of its next one: on
+  an engine whose batch steps outlast the interval (vLLM's CPU build at 64 streams on an
+  AVX2 host: about 2.5 s a step) most steps see no stream advance, and counting only those
+  that did left most steps without a median while the limit grew through them. A median
+  is moved by no minority of streams, so a few clients that read slowly, stop reading or
+  send huge prompts cannot make every stream look slow; clients holding most of the
+  engine's streams that stop reading can, and the latency floor
+  (:mod:`qos.capacity_control`, rule 2) bounds what that takes from the others.
 
 Memory is one small entry per request in flight on the engine, dropped when it ends (or at
 the next step, for one whose end was never reported).
@@ -46,7 +51,7 @@ class MeterSample:
     """One control step's measurements of an engine.
 
     Attributes:
-        tpot_s: median seconds per output token of the streams that advanced, or ``None``.
+        tpot_s: median seconds per output token of the streams there all step long, or ``None``.
         streams: how many streams that median is over.
         ttft_s: times to first token (seconds) of the requests whose first token came.
     """
@@ -104,6 +109,10 @@ class EngineMeter:
             whole = span is not None and span > 0 and st.last_at_step <= since  # there all step long
             if st.n > st.n_step and whole:
                 rates.append(max(0.0, st.last_at - st.last_at_step) / (st.n - st.n_step))
+            elif whole and st.stepped:
+                # no token all step long: its next token is at least this far off (an
+                # engine whose batch steps outlast the interval shows most streams so)
+                rates.append(now - st.last_at)
             st.n_step, st.last_at_step, st.stepped = st.n, min(st.last_at, now), True
         for ticket in gone:
             del self._streams[ticket]
