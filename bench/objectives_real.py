@@ -137,6 +137,9 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, o: Outcome, 
                 if not line.startswith(b"data: {"):
                     continue
                 obj = json.loads(line[6:])
+                if obj.get("error"):  # a stream ended by an error event (refused after its 200)
+                    o.status = f"error event:{(obj['error'] or {}).get('code')}"
+                    return
                 for ch in obj.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
                         now = time.monotonic()
@@ -256,6 +259,8 @@ async def run_row(session, url: str, engine_url: str, model: str, k: int, rate: 
             "attainment_sent": _r(within / len(mine)) if mine else None,
             "attainment_served": _r(within / len(served)) if served else None,
             "completed": len(complete), "whole": sum(o.whole for o in complete),
+            "not_whole": [{"asked": o.asked, "events": o.events, "finishes": o.finishes, "usage": o.usage}
+                          for o in complete if not o.whole][:10],
         }
     row["counters"] = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in COUNTERS} if path != "direct" else {}
     return row

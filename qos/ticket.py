@@ -101,6 +101,10 @@ class Ticket:
             time-to-first-token objective times); set by the caller. While it is in
             flight with no ``output_tokens`` yet, objective protection counts its wait
             (:mod:`qos.objective_protection`).
+        resuming: its client has been shown part of a streamed answer and it waits to
+            be resumed where it stopped (``preemption.resume``); set by the caller.
+            Objective protection never sheds it (:func:`qos.objective_protection.shed_victims`):
+            refusing it would cut a stream its client is reading.
     """
 
     seq: int
@@ -127,6 +131,7 @@ class Ticket:
     preemptions: int = 0
     context: Any = field(default=None, repr=False)
     stream: bool = False
+    resuming: bool = False
 
     @property
     def reserved_tokens(self) -> int:

@@ -109,6 +109,16 @@ def test_shed_takes_the_lowest_groups_newest_first_never_the_protected_or_above(
     assert shed_victims([gold, silver, bronze], 0, lambda _i: False, 0.01) == [bronze[1]]  # at least one
 
 
+def test_shed_never_takes_a_stream_waiting_to_be_resumed():
+    """A stream preempted after its client was shown tokens waits to be resumed: shedding
+    it cut the client's stream mid-answer (8 of 9 such streams on vLLM at 5x overload)."""
+    gold, bronze = tickets("gold", 1), tickets("bronze", 3, 10)
+    bronze[2].resuming = True
+    assert shed_victims([gold, bronze], 0, lambda _i: False, 0.5) == [bronze[1]]  # ceil(2 / 2): the two others
+    bronze[0].resuming = bronze[1].resuming = True
+    assert shed_victims([gold, bronze], 0, lambda _i: False, 1.0) == []
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=5), protected=st.integers(0, 4), fraction=st.floats(0.01, 1.0), floors=st.sets(st.integers(0, 4)))
 def test_shed_property(sizes, protected, fraction, floors):

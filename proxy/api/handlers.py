@@ -324,6 +324,8 @@ async def _serve(request: web.Request, ex: Exchange, req: _Resolved, admitted: A
                 # next part continues the text sent (proxy.relay.resume)
                 state.metrics.resumes.labels(req.pool.name, att.engine.name, ex.group).inc()
                 resume.next_part()
+                if admitted.ticket is not None:
+                    admitted.ticket.resuming = True  # never shed while its client reads part of it
                 ex.preemptions, ex.resumes = admitted.preemptions, ex.resumes + 1
                 ex.prompt_tokens, ex.output_tokens, ex.upstream_ended = None, 0, False  # the parts before: in resume
                 req = replace(req, parsed=resume.body(original))
