@@ -137,12 +137,16 @@ class FairQueue:
         self._sort()
         return list(self._tickets.values())
 
-    def newest(self) -> Ticket | None:
-        """The most recently queued ticket, or ``None`` when empty."""
+    def newest(self, evictable: bool = False) -> Ticket | None:
+        """The most recently queued ticket, or ``None`` when empty. ``evictable``: the
+        most recent one not waiting to be resumed (:attr:`Ticket.resuming`: its client
+        is reading part of the answer), or ``None`` when every one is."""
         self._sort()
-        if not self._tickets:
-            return None
-        return self._tickets[next(reversed(self._tickets))]
+        for seq in reversed(self._tickets):
+            t = self._tickets[seq]
+            if not (evictable and t.resuming):
+                return t
+        return None
 
     # ------------------------------------------------------------- membership
 

@@ -38,7 +38,8 @@ def evictee(order: Sequence[FairQueue], rank: int, under_floor: Callable[[int], 
     class below it that is not under its floor, and a newcomer whose own class is under
     its floor may also evict from the lowest class above it that is not (a floor class
     cannot be kept below its floor by higher classes filling the queue). A class under
-    its floor is never evicted.
+    its floor is never evicted, nor a request waiting to be resumed
+    (:attr:`qos.Ticket.resuming`: evicting it would cut a stream its client is reading).
 
     Args:
         order: the classes' queues in priority order (index 0 highest).
@@ -52,9 +53,9 @@ def evictee(order: Sequence[FairQueue], rank: int, under_floor: Callable[[int], 
         q = order[idx]
         if not len(q) or under_floor(idx):
             continue  # a class at or under its floor keeps its requests
-        newest = q.newest()
-        assert newest is not None
-        return idx, newest
+        newest = q.newest(evictable=True)  # never a stream its client is reading (resume)
+        if newest is not None:
+            return idx, newest
     return None
 
 

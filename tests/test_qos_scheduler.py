@@ -345,6 +345,23 @@ def test_eviction_by_higher_priority_takes_newest_of_lowest_class():
     assert h.s.queue_depths() == {"gold": 3, "silver": 0, "bronze": 0}
 
 
+def test_eviction_never_takes_a_stream_waiting_to_be_resumed():
+    """A stream preempted after showing tokens waits to be resumed; evicting it would cut
+    its client's stream mid-answer (the shed step had the same fault on vLLM)."""
+    h = Harness(pol(("gold", "bronze"), max_inflight=1, max_queue=2))
+    h.submit("x", 1, group="bronze")
+    b1 = h.submit("b1", 1, group="bronze")
+    b2 = h.submit("b2", 1, group="bronze")
+    b2.resuming = True
+    h.submit("g1", 1, group="gold")
+    assert h.refused == [b1] and b2.state is TicketState.QUEUED
+    b2_only = h.s.queue_depths()
+    assert b2_only == {"gold": 1, "bronze": 1}
+    with pytest.raises(Refused) as e:  # nothing evictable below: the newcomer is refused
+        h.submit("g2", 1, group="gold")
+    assert e.value.reason is RefusalReason.QUEUE_FULL and b2.state is TicketState.QUEUED
+
+
 def test_evicted_request_gets_its_rate_limit_tokens_back():
     users = (UserPolicy("b", "bronze", limits=RateLimit(tokens_per_minute=1000)),)
     h = Harness(pol(("gold", "bronze"), users=users, max_inflight=1, max_queue=1))
