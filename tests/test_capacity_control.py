@@ -13,7 +13,7 @@ from proxy.config.loading import parse_config
 from proxy.routing.engine_meter import EngineMeter
 from qos import GroupPolicy, Scheduler, SchedulerPolicy, TicketState
 from qos.capacity import LocalCapacity
-from qos.capacity import room_for
+from qos.capacity import RecentPeaks, room_for
 from qos.capacity_control import (
     REASON_CEILING,
     REASON_ENGINE_QUEUE,
@@ -551,6 +551,31 @@ def test_room_for():
     assert room_for(6, 0.15) == 6  # 0.9 rounds down: a small engine keeps nothing back
     assert room_for(1, 0.5) == 1  # never starved
     assert room_for(0, 0.5) == 0  # a lease of 0
+    assert room_for(33, 0.075, vacant=4) == 27  # 2 by the fraction + 4 the classes above ran recently
+    assert room_for(33, 0.0, vacant=4) == 33  # the top class (or a class set to keep nothing) keeps nothing
+    assert room_for(33, 0.075, vacant=40) == 25  # the measured part keeps at most a quarter
+    assert room_for(128, 0.6, vacant=40) == 52  # ... unless the fraction alone keeps more
+
+
+def test_recent_peaks_keep_the_room_the_classes_above_come_back_to_for_a_window():
+    """Platinum (level 0) ran 6 at once, now 2: bronze (0.075) counts the 4 it left as
+    kept until the step that saw the 6 is older than the window; gold (0.025) counts for
+    bronze, not bronze for gold."""
+    p = RecentPeaks(window_s=10.0)
+    for n in range(1, 7):
+        p.note(0.0, n)
+    p.note(0.025, 3)
+    p.note(0.075, 20)
+    held = {0.0: 2, 0.025: 1, 0.075: 20}
+    assert p.vacant(0.075, held) == 4 + 2
+    assert p.vacant(0.025, held) == 4 and p.vacant(0.0, held) == 0
+    p.roll(0.0, held)  # the step that saw the peaks ends at t=0; the next starts at what runs now
+    assert p.vacant(0.075, held) == 6
+    p.roll(9.5, held)
+    assert p.vacant(0.075, held) == 6  # still within the window
+    p.roll(10.5, held)
+    assert p.vacant(0.075, held) == 0 and p.peaks() == {0.0: 2, 0.025: 1, 0.075: 20}
+    assert p.vacant(0.075, {0.0: 0}) == 3  # what runs now at the roll stays a peak for the window
 
 
 def test_lower_classes_leave_the_headroom_to_higher_ones():

@@ -438,3 +438,35 @@ def test_a_cut_below_what_a_lower_class_runs_keeps_the_room_above_it():
     top = [r.reserve(ticket()) for _ in range(9)]
     assert all(x is e for x in top) and r.choose(10) is None  # 9 places kept for the top, then full
     assert e.inflight == 128  # over the cut capacity by bronze's draining excess, never more
+
+
+def test_lower_classes_leave_the_room_higher_classes_ran_recently():
+    """Capacity 33: platinum ran 6 at once, then 4 of them ended. Bronze (headroom 0.075,
+    2 places by the fraction) may not take the 4 platinum left: the next platinum
+    requests are dispatched at once, as they were measured to wait up to 18 s behind
+    128-token bronze streams when bronze took every place they gave back. Once the window
+    has passed without platinum coming back, bronze gets the room."""
+    r = router(eng(1, max_inflight=33))
+    (e,) = r.engines.values()
+    plat = [ticket() for _ in range(6)]
+    for t in plat:
+        r.reserve(t)
+    for t in plat[:4]:
+        r.release(t)
+    bronze = []
+    while r.choose(10, headroom=0.075) is not None:
+        bronze.append(r.reserve(ticket(), headroom=0.075))
+    assert len(bronze) == 33 - 2 - 6  # the fraction (2) and platinum's recent 6 kept
+    assert [r.reserve(ticket()) for _ in range(6)] == [e] * 6  # 4 back to its peak and the 2 of margin, at once
+    assert r.choose(10) is None
+    top = [t for t, (eng_, _, level) in list(r._placed.items()) if level == 0.0]
+    for t in top:
+        r.release(t)  # platinum's load is gone
+    assert r.choose(10, headroom=0.075) is None  # ... but within the window its room is kept
+    e.peaks.roll(0.0, e.held)
+    e.peaks.roll(e.peaks.window_s + 1.0, e.held)
+    more = 0
+    while r.choose(10, headroom=0.075) is not None:
+        r.reserve(ticket(), headroom=0.075)
+        more += 1
+    assert len(bronze) + more == 33 - 2  # the window passed: only the fraction is kept

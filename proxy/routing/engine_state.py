@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qos.capacity import occupied, room_for
+from qos.capacity import RecentPeaks, occupied, room_for
 from qos.capacity_control import CapacityController
 from qos.capacity_control import fixed as fixed_capacity
 
@@ -86,6 +86,7 @@ class EngineState:
     peak_inflight: int = 0  # the most in flight since the capacity controller's last step
     inflight_tokens: int = 0
     held: dict[float, int] = field(default_factory=dict, repr=False)  # in flight by the headroom of its class
+    peaks: RecentPeaks = field(default_factory=RecentPeaks, repr=False)  # each class's recent most in flight, rolled by the load poller
     draining: bool = False
     load: float | None = None
     waiting: int | None = None
@@ -186,18 +187,25 @@ class EngineState:
         """Whether a request reserving ``tokens`` of a class with ``headroom`` (the
         fraction of the capacity it leaves to the classes above: :func:`qos.capacity.room_for`)
         may be placed here now (module docstring)."""
-        if not self.in_rotation or self.occupied() >= room_for(self.capacity, headroom):
+        if not self.in_rotation or self.occupied() >= self.room_for(headroom):
             return False
         if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
             return False
         cap = self.spec.max_inflight_tokens
         return cap is None or self.inflight_tokens + tokens <= cap
 
+    def room_for(self, headroom: float) -> int:
+        """The most requests a class with ``headroom`` may run here now
+        (:func:`qos.capacity.room_for`): the capacity less the fixed fraction and the room
+        the classes above it ran here at once over the last few seconds and do not run
+        now (:attr:`peaks`)."""
+        return room_for(self.capacity, headroom, self.peaks.vacant(headroom, self.held) if headroom > 0.0 else 0)
+
     def occupied(self) -> int:
         """Requests in flight here as the classes' headroom counts them: each class's up
-        to its own room (:func:`qos.capacity.room_for` at its headroom), the top class's
+        to its own room (:meth:`room_for` at its headroom), the top class's
         (headroom 0) and those placed outside admission in full (module docstring)."""
-        return occupied(self.inflight, self.held, self.capacity)
+        return occupied(self.inflight, self.held, self.capacity, self.peaks)
 
     def can_hold(self, tokens: int) -> bool:
         """Whether its token capacity can ever hold a request reserving ``tokens``."""

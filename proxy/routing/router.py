@@ -305,7 +305,8 @@ class PoolRouter:
         engine.inflight += 1
         engine.peak_inflight = max(engine.peak_inflight, engine.inflight)
         engine.inflight_tokens += tokens
-        engine.held[level] = engine.held.get(level, 0) + 1
+        engine.held[level] = n = engine.held.get(level, 0) + 1
+        engine.peaks.note(level, n)
         engine.routed += 1
 
     # --------------------------------------------------------------- health

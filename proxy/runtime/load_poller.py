@@ -183,6 +183,7 @@ class EnginePoller:
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
+        engine.peaks.roll(self._clock(), engine.held)  # the classes' recent peaks, for their headroom
         if engine.capacity > before:
             self._on_room(engine)
 
