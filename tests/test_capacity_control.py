@@ -52,6 +52,24 @@ def test_grows_under_demand_to_the_ceiling_and_holds_without_it():
     assert c.value == 128 and c.reason == REASON_STEADY
 
 
+def test_growth_is_clocked_by_answers():
+    """A load arrives at once and its first tokens take several steps (the prefill of a
+    whole batch on a CPU): the limit does not grow on requests whose fate is unknown,
+    and grows by at most the requests answered in a step once answers come (TCP's slow
+    start grows the window by what was acknowledged). Measured on vLLM's CPU build
+    without it: 16 to 61 in eight steps before the first 28 had a first token."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=128))
+    for i in range(8):
+        c.step(obs(i * 0.5, inflight=16, demand=True, answered=0))
+    assert c.value == 16
+    c.step(obs(4.0, inflight=16, demand=True, answered=2))
+    assert c.value == 18 and c.reason == "growing"
+    c.step(obs(4.5, inflight=18, demand=True, answered=16))
+    assert c.value == 18 + 4  # answers allow 16, the rule's own step (sqrt) is smaller
+    c.step(obs(5.0, inflight=22, demand=True))  # answers not counted: the rule alone
+    assert c.value == 26
+
+
 def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
     c = CapacityController(ControlSettings(initial=100, ceiling=200, probe_after_s=30))
     c.step(obs(1, inflight=100, demand=True, engine_waiting=12))
@@ -529,6 +547,19 @@ def test_a_slow_engines_tokens_are_timed_token_to_token():
         if s.tpot_s is not None:
             samples.append(s.tpot_s)
     assert samples and all(x == pytest.approx(tpot) for x in samples), samples
+
+
+def test_meter_counts_answers_first_tokens_and_ends_without_one():
+    m = EngineMeter()
+    a, b, c = _T(), _T(), _T()
+    m.progress(a, 1, 0.2)
+    m.progress(a, 5, 0.4)  # more tokens of a stream already answered: not again
+    m.finished(b)  # a non-streaming answer (or a failure): no token seen, ended
+    m.progress(c, 0, 0.3)  # no token yet: not answered
+    assert m.sample(0.5).answered == 2
+    assert m.sample(1.0).answered == 0
+    m.finished(a)  # an answered stream's end is no new answer
+    assert m.sample(1.5).answered == 0
 
 
 def test_meter_forgets_ended_requests():

@@ -54,20 +54,25 @@ class MeterSample:
         tpot_s: median seconds per output token of the streams there all step long, or ``None``.
         streams: how many streams that median is over.
         ttft_s: times to first token (seconds) of the requests whose first token came.
+        answered: requests that showed their first token, or ended without one (a
+            non-streaming answer, a failure), since the last step: the controller's
+            acknowledgements (:attr:`qos.capacity_control.Observation.answered`).
     """
 
     tpot_s: float | None
     streams: int
     ttft_s: tuple[float, ...]
+    answered: int = 0
 
 
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
+        self._answered = 0  # first tokens, and ends without one, since the last step
         self._ttft: list[float] = []
         self._sampled_at: float | None = None
         self._ended: list[float] = []  # per-token times of streams that ended since the last step
@@ -78,6 +83,7 @@ class EngineMeter:
         if st is None:
             if output_tokens <= 0:
                 return
+            self._answered += 1
             admitted = ticket.admitted_at
             if admitted is not None and len(self._ttft) < 4096:
                 self._ttft.append(max(0.0, now - admitted))
@@ -92,7 +98,9 @@ class EngineMeter:
         at 0.05 s, is measured too: without it an idle engine's per-token time, the
         latency bound's baseline, was never seen before the first load came)."""
         st = self._streams.pop(ticket, None)
-        if st is not None and st.stepped and st.n > st.n_step and len(self._ended) < 4096:
+        if st is None:
+            self._answered += 1  # ended without a first token: a non-streaming answer, a failure
+        elif st.stepped and st.n > st.n_step and len(self._ended) < 4096:
             self._ended.append(max(0.0, st.last_at - st.last_at_step) / (st.n - st.n_step))
 
     def sample(self, now: float) -> MeterSample:
@@ -119,12 +127,13 @@ class EngineMeter:
         rates += self._ended
         self._ended = []
         ttft, self._ttft = tuple(self._ttft), []
+        answered, self._answered = self._answered, 0
         if not rates:
-            return MeterSample(None, 0, ttft)
+            return MeterSample(None, 0, ttft, answered)
         rates.sort()
         mid = len(rates) // 2
         median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
-        return MeterSample(median, len(rates), ttft)
+        return MeterSample(median, len(rates), ttft, answered)
 
     @property
     def streams(self) -> int:

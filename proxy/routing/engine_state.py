@@ -17,8 +17,11 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
 * **in rotation**: healthy (not ejected) and not draining (removed by a reload).
 * **headroom of a class**: a request of a class with ``headroom`` h (the fraction of each
   engine it leaves to the classes above it) fits only while
-  ``occupied(e) < room_for(cap(e), h)`` (:func:`qos.capacity.room_for`), so lower classes
-  never fill the last part of an engine and a higher class's request is dispatched at once.
+  ``occupied(e) < room_for(cap(e), h, vacant)`` (:func:`qos.capacity.room_for`), so lower
+  classes never fill the last part of an engine and a higher class's request is dispatched
+  at once; ``vacant`` is how many more requests the classes above ran here at once over
+  the last 10 s than they run now (:class:`qos.capacity.RecentPeaks`, rolled by the load
+  poller), so their recent load finds its places free when it comes back.
   ``occupied`` counts each class's requests on the engine up to its own room only: when
   the capacity is cut below what a lower class already runs (the engine queued), that
   class's excess drains as its requests end, but it does not take the room kept for the

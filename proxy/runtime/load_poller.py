@@ -180,6 +180,7 @@ class EnginePoller:
                 tpot_s=sample.tpot_s,
                 streams=sample.streams,
                 ttft_s=sample.ttft_s,
+                answered=sample.answered,
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
