@@ -55,11 +55,20 @@ def room_for(capacity: int, headroom: float, vacant: int = 0) -> int:
     headroom 0.15: 6 (0.9 rounds down)."""
     if capacity <= 0:
         return capacity
+    return capacity - min(capacity - 1, kept_for_above(capacity, headroom, vacant))
+
+
+def kept_for_above(capacity: int, headroom: float, measured: int = 0) -> int:
+    """Places of an engine of ``capacity`` a class with ``headroom`` leaves to the classes
+    above it: ``floor(headroom x capacity) + measured``, the sum at most
+    ``floor(MAX_KEPT_SHARE x capacity)`` unless the fraction alone is more; the fraction
+    alone when ``headroom`` is 0 (a class set to keep nothing) or nothing is measured.
+    ``measured``: what the classes above ran recently and do not run now, for dispatch
+    (:func:`room_for`); their recent peak, for the excess of :func:`occupied`."""
     fixed = int(headroom * capacity)
-    kept = fixed
-    if vacant > 0 and headroom > 0.0:
-        kept = max(fixed, min(fixed + vacant, int(MAX_KEPT_SHARE * capacity)))
-    return capacity - min(capacity - 1, kept)
+    if measured <= 0 or headroom <= 0.0:
+        return fixed
+    return max(fixed, min(fixed + measured, int(MAX_KEPT_SHARE * capacity)))
 
 
 def occupied(inflight: int, held: dict[float, int], capacity: int, peaks: RecentPeaks | None = None) -> int:
@@ -77,13 +86,20 @@ def occupied(inflight: int, held: dict[float, int], capacity: int, peaks: Recent
     128-token streams. What runs then may pass ``capacity`` by that excess: at most one
     cut's worth, draining.
 
+    A class's own room for this count is the capacity less what it keeps for the classes
+    above with those counted at their recent peak (:meth:`RecentPeaks.above`), the same
+    bound :func:`room_for` sets at dispatch: so while a lower class drains an excess, the
+    classes above may run up to the room kept for them, the fraction and their recent
+    peak (together at most :data:`MAX_KEPT_SHARE` of the capacity, or the fraction).
+
     Example: capacity 121, bronze (headroom 0.075, room 112) holding 119: occupied is
     112, so platinum (room 121) has 9 places, bronze none."""
     excess = 0
     for level, k in held.items():
         if level > 0.0:
-            vacant = peaks.vacant(level, held) if peaks is not None else 0
-            excess += max(0, k - room_for(capacity, level, vacant))
+            above = peaks.above(level) if peaks is not None else 0
+            own = capacity - min(capacity - 1, kept_for_above(capacity, level, above)) if capacity > 0 else capacity
+            excess += max(0, k - own)
     return inflight - excess
 
 
@@ -92,11 +108,13 @@ class RecentPeaks:
     last ``window_s`` seconds, for the measured part of :func:`room_for`.
 
     :meth:`note` is called as a request of a level is placed (with the level's count in
-    flight then), :meth:`roll` once per control step with the time; a peak is kept from
-    the step it was seen in until ``window_s`` after that step ends. Memory: one entry per
-    step in the window (``window_s`` / the step interval) of one count per level.
-    Without :meth:`roll` the peaks only grow (bounded by :data:`MAX_KEPT_SHARE` where
-    they are used).
+    flight then), :meth:`roll` once per control step with the time; a peak counts from
+    the end of the step it was seen in until ``window_s`` after it. Only ended steps
+    count, so what a class adds within a step does not raise its own peak at once: while
+    a lower class drains an excess (:func:`occupied`) the classes above get back their
+    recent peak and the fraction, and grow past it by at most the fraction a step, up to
+    :data:`MAX_KEPT_SHARE`. Memory: one entry per step in the window (``window_s`` / the
+    step interval) of one count per level. Without :meth:`roll` nothing is measured.
     """
 
     __slots__ = ("window_s", "_step", "_steps", "_max")
@@ -105,14 +123,12 @@ class RecentPeaks:
         self.window_s = window_s
         self._step: dict[float, int] = {}  # the step now: the most of each level at once
         self._steps: deque[tuple[float, dict[float, int]]] = deque()  # (ended at, peaks) of the steps in the window
-        self._max: dict[float, int] = {}  # over the window and the step now
+        self._max: dict[float, int] = {}  # over the ended steps in the window
 
     def note(self, level: float, count: int) -> None:
         """A request of ``level`` was placed; ``count`` of that level run now."""
         if count > self._step.get(level, 0):
             self._step[level] = count
-        if count > self._max.get(level, 0):
-            self._max[level] = count
 
     def roll(self, now: float, held: dict[float, int] | None = None) -> None:
         """End the step now at ``now`` (seconds, monotonic) and forget the steps that
@@ -128,6 +144,11 @@ class RecentPeaks:
                 if k > top.get(lv, 0):
                     top[lv] = k
         self._max = top
+
+    def above(self, level: float) -> int:
+        """The sum of the recent peaks of the levels below ``level`` (the classes above
+        it); 0 for the top class."""
+        return sum(k for lv, k in self._max.items() if lv < level)
 
     def vacant(self, level: float, held: dict[float, int]) -> int:
         """How many more requests the levels below ``level`` (the classes above it) ran

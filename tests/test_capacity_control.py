@@ -598,15 +598,17 @@ def test_recent_peaks_keep_the_room_the_classes_above_come_back_to_for_a_window(
     p.note(0.025, 3)
     p.note(0.075, 20)
     held = {0.0: 2, 0.025: 1, 0.075: 20}
-    assert p.vacant(0.075, held) == 4 + 2
-    assert p.vacant(0.025, held) == 4 and p.vacant(0.0, held) == 0
+    assert p.vacant(0.075, held) == 0  # the step is not over: nothing counts yet
     p.roll(0.0, held)  # the step that saw the peaks ends at t=0; the next starts at what runs now
-    assert p.vacant(0.075, held) == 6
+    assert p.vacant(0.075, held) == 4 + 2 and p.above(0.075) == 6 + 3
+    assert p.vacant(0.025, held) == 4 and p.vacant(0.0, held) == 0 and p.above(0.0) == 0
+    p.note(0.0, 9)  # platinum grows within the step: its peak counts from the step's end
+    assert p.above(0.075) == 9
     p.roll(9.5, held)
-    assert p.vacant(0.075, held) == 6  # still within the window
-    p.roll(10.5, held)
+    assert p.vacant(0.075, held) == 7 + 2 and p.above(0.075) == 12  # the 6 still within the window, the 9 now ended
+    p.roll(20.0, held)  # both steps ended more than 10 s ago; the one ending now saw what ran at 9.5
     assert p.vacant(0.075, held) == 0 and p.peaks() == {0.0: 2, 0.025: 1, 0.075: 20}
-    assert p.vacant(0.075, {0.0: 0}) == 3  # what runs now at the roll stays a peak for the window
+    assert p.vacant(0.075, {0.0: 0}) == 3  # what ran at the roll stays a peak for the window
 
 
 def test_lower_classes_leave_the_headroom_to_higher_ones():

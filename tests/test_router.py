@@ -451,6 +451,7 @@ def test_lower_classes_leave_the_room_higher_classes_ran_recently():
     plat = [ticket() for _ in range(6)]
     for t in plat:
         r.reserve(t)
+    e.peaks.roll(0.0, e.held)  # the load poller's step: the 6 ran in it
     for t in plat[:4]:
         r.release(t)
     bronze = []
@@ -463,10 +464,39 @@ def test_lower_classes_leave_the_room_higher_classes_ran_recently():
     for t in top:
         r.release(t)  # platinum's load is gone
     assert r.choose(10, headroom=0.075) is None  # ... but within the window its room is kept
-    e.peaks.roll(0.0, e.held)
-    e.peaks.roll(e.peaks.window_s + 1.0, e.held)
+    e.peaks.roll(1.0, e.held)
+    e.peaks.roll(e.peaks.window_s + 2.0, e.held)
     more = 0
     while r.choose(10, headroom=0.075) is not None:
         r.reserve(ticket(), headroom=0.075)
         more += 1
     assert len(bronze) + more == 33 - 2  # the window passed: only the fraction is kept
+
+
+def test_after_a_cut_the_classes_above_get_back_their_recent_load_while_a_lower_class_drains():
+    """Capacity 33; platinum ran 5 at once in the last step, 2 now; bronze filled its room.
+    The capacity is cut to 25 (tokens slowed): bronze's 26 streams are now its excess,
+    draining as they end. Platinum still gets its recent 5 back and the fraction's one
+    place more, at once; before, it got none until bronze had drained below 24 (on vLLM's
+    CPU build bronze's 128-token streams took 25-50 s to drain, platinum's first token
+    waited that long)."""
+    r = router(eng(1, max_inflight=33))
+    (e,) = r.engines.values()
+    plat = [ticket() for _ in range(5)]
+    for t in plat:
+        r.reserve(t)
+    e.peaks.roll(0.0, e.held)
+    for t in plat[:3]:
+        r.release(t)
+    bronze = 0
+    while r.choose(10, headroom=0.075) is not None:
+        r.reserve(ticket(), headroom=0.075)
+        bronze += 1
+    assert bronze == 33 - 2 - 5
+    e.capacity_limit = 25
+    back = 0
+    while r.choose(10) is not None:
+        r.reserve(ticket())
+        back += 1
+    assert back == 3 + 1  # its recent 5 (3 of them back) and 1 place by the fraction (0.075 x 25)
+    assert r.choose(10, headroom=0.075) is None and e.inflight == 26 + 6
