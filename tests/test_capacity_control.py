@@ -584,7 +584,7 @@ def test_room_for():
     assert room_for(0, 0.5) == 0  # a lease of 0
     assert room_for(33, 0.075, vacant=4) == 27  # 2 by the fraction + 4 the classes above ran recently
     assert room_for(33, 0.0, vacant=4) == 33  # the top class (or a class set to keep nothing) keeps nothing
-    assert room_for(33, 0.075, vacant=40) == 25  # the measured part keeps at most a quarter
+    assert room_for(33, 0.075, vacant=40) == 17  # the measured part keeps at most half
     assert room_for(128, 0.6, vacant=40) == 52  # ... unless the fraction alone keeps more
 
 

@@ -161,7 +161,9 @@ async def test_a_group_without_objectives_above_the_protected_one_is_neither_hel
         {"name": "silver", "users": [{"id": "sam"}], "ttft_target_s": TARGET_S},
         {"name": "bronze", "users": [{"id": "carl"}]},
     ]
-    st = await make_stack(config=_config(groups))
+    # 8 slots: gold's burst of 3 below keeps its 3 places from silver for 10 s (the
+    # headroom follows the groups above), and silver's own 3 must still go at once
+    st = await make_stack(config=_config(groups, max_inflight=8))
     sched = st.state.admission.scheduler
     url = st.proxy_url
     await _miss(http, url, "gina")  # gold is as slow, but has no objective: nothing happens

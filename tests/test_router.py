@@ -500,3 +500,27 @@ def test_after_a_cut_the_classes_above_get_back_their_recent_load_while_a_lower_
         back += 1
     assert back == 3 + 1  # its recent 5 (3 of them back) and 1 place by the fraction (0.075 x 25)
     assert r.choose(10, headroom=0.075) is None and e.inflight == 26 + 6
+
+
+def test_while_a_lower_class_drains_the_classes_above_get_more_than_a_quarter_back():
+    """Capacity 17 (an engine found small) with platinum's load at 6 at once, more than a
+    quarter of it: after a cut that leaves bronze above its room, platinum still runs its
+    recent 6 and the fraction's place (measured on vLLM's CPU build with a quarter as
+    the bound: probes ran 4 at a time and queued up to 14 s)."""
+    r = router(eng(1, max_inflight=17))
+    (e,) = r.engines.values()
+    plat = [ticket() for _ in range(6)]
+    for t in plat:
+        r.reserve(t)
+    e.peaks.roll(0.0, e.held)
+    for t in plat:
+        r.release(t)
+    while r.choose(10, headroom=0.075) is not None:
+        r.reserve(ticket(), headroom=0.075)
+    assert e.inflight == 17 - 1 - 6  # the fraction (1) and platinum's recent 6 left free
+    e.capacity_limit = 14  # a cut below what bronze runs
+    back = 0
+    while r.choose(10) is not None and back < 50:
+        r.reserve(ticket())
+        back += 1
+    assert back == 6 + 1
