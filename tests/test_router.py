@@ -440,24 +440,38 @@ def test_a_cut_below_what_a_lower_class_runs_keeps_the_room_above_it():
     assert e.inflight == 128  # over the cut capacity by bronze's draining excess, never more
 
 
+def _peaked(capacity: int, ran: int, still: int):
+    """A one-engine pool of ``capacity`` where platinum (headroom 0) ran ``ran`` requests
+    at once in the load poller's last step and runs ``still`` of them now."""
+    r = router(eng(1, max_inflight=capacity))
+    (e,) = r.engines.values()
+    plat = [ticket() for _ in range(ran)]
+    for t in plat:
+        r.reserve(t)
+    e.peaks.roll(0.0, e.held)
+    for t in plat[still:]:
+        r.release(t)
+    return r, e
+
+
+def _fill(r, headroom: float = 0.0, most: int = 200) -> int:
+    """Reserve requests of a class with ``headroom`` while one fits; how many did."""
+    n = 0
+    while n < most and r.choose(10, headroom=headroom) is not None:
+        r.reserve(ticket(), headroom=headroom)
+        n += 1
+    return n
+
+
 def test_lower_classes_leave_the_room_higher_classes_ran_recently():
     """Capacity 33: platinum ran 6 at once, then 4 of them ended. Bronze (headroom 0.075,
     2 places by the fraction) may not take the 4 platinum left: the next platinum
     requests are dispatched at once, as they were measured to wait up to 18 s behind
     128-token bronze streams when bronze took every place they gave back. Once the window
     has passed without platinum coming back, bronze gets the room."""
-    r = router(eng(1, max_inflight=33))
-    (e,) = r.engines.values()
-    plat = [ticket() for _ in range(6)]
-    for t in plat:
-        r.reserve(t)
-    e.peaks.roll(0.0, e.held)  # the load poller's step: the 6 ran in it
-    for t in plat[:4]:
-        r.release(t)
-    bronze = []
-    while r.choose(10, headroom=0.075) is not None:
-        bronze.append(r.reserve(ticket(), headroom=0.075))
-    assert len(bronze) == 33 - 2 - 6  # the fraction (2) and platinum's recent 6 kept
+    r, e = _peaked(33, ran=6, still=2)
+    bronze = _fill(r, 0.075)
+    assert bronze == 33 - 2 - 6  # the fraction (2) and platinum's recent 6 kept
     assert [r.reserve(ticket()) for _ in range(6)] == [e] * 6  # 4 back to its peak and the 2 of margin, at once
     assert r.choose(10) is None
     top = [t for t, (eng_, _, level) in list(r._placed.items()) if level == 0.0]
@@ -466,11 +480,7 @@ def test_lower_classes_leave_the_room_higher_classes_ran_recently():
     assert r.choose(10, headroom=0.075) is None  # ... but within the window its room is kept
     e.peaks.roll(1.0, e.held)
     e.peaks.roll(e.peaks.window_s + 2.0, e.held)
-    more = 0
-    while r.choose(10, headroom=0.075) is not None:
-        r.reserve(ticket(), headroom=0.075)
-        more += 1
-    assert len(bronze) + more == 33 - 2  # the window passed: only the fraction is kept
+    assert bronze + _fill(r, 0.075) == 33 - 2  # the window passed: only the fraction is kept
 
 
 def test_after_a_cut_the_classes_above_get_back_their_recent_load_while_a_lower_class_drains():
@@ -480,25 +490,10 @@ def test_after_a_cut_the_classes_above_get_back_their_recent_load_while_a_lower_
     place more, at once; before, it got none until bronze had drained below 24 (on vLLM's
     CPU build bronze's 128-token streams took 25-50 s to drain, platinum's first token
     waited that long)."""
-    r = router(eng(1, max_inflight=33))
-    (e,) = r.engines.values()
-    plat = [ticket() for _ in range(5)]
-    for t in plat:
-        r.reserve(t)
-    e.peaks.roll(0.0, e.held)
-    for t in plat[:3]:
-        r.release(t)
-    bronze = 0
-    while r.choose(10, headroom=0.075) is not None:
-        r.reserve(ticket(), headroom=0.075)
-        bronze += 1
-    assert bronze == 33 - 2 - 5
+    r, e = _peaked(33, ran=5, still=2)
+    assert _fill(r, 0.075) == 33 - 2 - 5
     e.capacity_limit = 25
-    back = 0
-    while r.choose(10) is not None:
-        r.reserve(ticket())
-        back += 1
-    assert back == 3 + 1  # its recent 5 (3 of them back) and 1 place by the fraction (0.075 x 25)
+    assert _fill(r) == 3 + 1  # its recent 5 (3 of them back) and 1 place by the fraction (0.075 x 25)
     assert r.choose(10, headroom=0.075) is None and e.inflight == 26 + 6
 
 
@@ -507,20 +502,8 @@ def test_while_a_lower_class_drains_the_classes_above_get_more_than_a_quarter_ba
     quarter of it: after a cut that leaves bronze above its room, platinum still runs its
     recent 6 and the fraction's place (measured on vLLM's CPU build with a quarter as
     the bound: probes ran 4 at a time and queued up to 14 s)."""
-    r = router(eng(1, max_inflight=17))
-    (e,) = r.engines.values()
-    plat = [ticket() for _ in range(6)]
-    for t in plat:
-        r.reserve(t)
-    e.peaks.roll(0.0, e.held)
-    for t in plat:
-        r.release(t)
-    while r.choose(10, headroom=0.075) is not None:
-        r.reserve(ticket(), headroom=0.075)
+    r, e = _peaked(17, ran=6, still=0)
+    _fill(r, 0.075)
     assert e.inflight == 17 - 1 - 6  # the fraction (1) and platinum's recent 6 left free
     e.capacity_limit = 14  # a cut below what bronze runs
-    back = 0
-    while r.choose(10) is not None and back < 50:
-        r.reserve(ticket())
-        back += 1
-    assert back == 6 + 1
+    assert _fill(r) == 6 + 1
