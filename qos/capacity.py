@@ -122,10 +122,13 @@ class RecentPeaks:
     step interval) of one count per level. Without :meth:`roll` nothing is measured.
     """
 
-    __slots__ = ("window_s", "_step", "_steps", "_max")
+    __slots__ = ("window_s", "fixed_levels", "_step", "_steps", "_max")
 
-    def __init__(self, window_s: float = PEAK_WINDOW_S) -> None:
+    def __init__(self, window_s: float = PEAK_WINDOW_S, fixed_levels: set[float] | None = None) -> None:
         self.window_s = window_s
+        # levels that keep only the fixed fraction for the classes above (a class with a
+        # min_share floor); a set shared with the pool, updated in place at a reload
+        self.fixed_levels: set[float] = fixed_levels if fixed_levels is not None else set()
         self._step: dict[float, int] = {}  # the step now: the most of each level at once
         self._steps: deque[tuple[float, dict[float, int]]] = deque()  # (ended at, peaks) of the steps in the window
         self._max: dict[float, int] = {}  # over the ended steps in the window
@@ -152,14 +155,18 @@ class RecentPeaks:
 
     def above(self, level: float) -> int:
         """The sum of the recent peaks of the levels below ``level`` (the classes above
-        it); 0 for the top class."""
+        it); 0 for the top class and for a level in :attr:`fixed_levels`."""
+        if level in self.fixed_levels:
+            return 0
         return sum(k for lv, k in self._max.items() if lv < level)
 
     def vacant(self, level: float, held: dict[float, int]) -> int:
         """How many more requests the levels below ``level`` (the classes above it) ran
         at once within the window than they run now (``held``: in flight per level): the
         room their load as it is now comes back to, summed over the levels. 0 for the
-        top class."""
+        top class and for a level in :attr:`fixed_levels`."""
+        if level in self.fixed_levels:
+            return 0
         return sum(k - held.get(lv, 0) for lv, k in self._max.items() if lv < level and k > held.get(lv, 0))
 
     def peaks(self) -> dict[float, int]:

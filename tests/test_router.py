@@ -507,3 +507,13 @@ def test_while_a_lower_class_drains_the_classes_above_get_more_than_a_quarter_ba
     assert e.inflight == 17 - 1 - 6  # the fraction (1) and platinum's recent 6 left free
     e.capacity_limit = 14  # a cut below what bronze runs
     assert _fill(r) == 6 + 1
+
+
+def test_a_class_with_a_floor_keeps_only_the_fraction_for_the_classes_above():
+    """A class with ``min_share`` (its level in ``fixed_levels``, as PoolCapacity sets it)
+    is not held back by the recent load of the classes above: its floor is service
+    promised while they are busy (with the measured part, bronze at min_share 0.3 got 1 %
+    of an engine of 2 that gold kept full)."""
+    r, e = _peaked(33, ran=6, still=0)
+    r.fixed_levels.add(0.075)
+    assert _fill(r, 0.075) == 33 - 2  # the fraction only

@@ -105,6 +105,10 @@ class PoolRouter:
         self.routing = pool.routing
         self.health = pool.health
         self._placed: dict[Any, tuple[EngineState, int, float]] = {}  # ticket -> (engine, reserved tokens, its class's headroom)
+        # headroom levels of classes with a min_share floor: they keep only the fixed
+        # fraction for the classes above (qos.capacity.RecentPeaks.fixed_levels; set by
+        # proxy.routing.pool_capacity.PoolCapacity.configure, shared by every engine)
+        self.fixed_levels: set[float] = set()
         self._turn = 0
         self.on_engine_removed: Callable[[EngineState], None] | None = None
         self.reconfigure(pool)
@@ -124,6 +128,7 @@ class PoolRouter:
             e = self.engines.get(spec.name)
             if e is None:
                 e = EngineState(spec, EngineHealth(pool.health, spec.name, self._clock, self._rng))
+                e.peaks.fixed_levels = self.fixed_levels
                 if self.leased:  # nothing goes there before this replica's lease is granted
                     e.set_lease(0, 0 if spec.max_inflight_tokens is not None else None)
                 added.append(spec.name)
