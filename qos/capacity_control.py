@@ -67,8 +67,10 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
      instead of doubling past it (TCP Vegas's additive zone below its upper threshold);
      tokens well within it (a latency cut by a fresh engine's slow first requests) do
      not slow the growth;
-   * whatever the above, by at most the number of our requests *answered* in the step
-     (their first token came, or they ended without one): TCP's slow start grows the
+   * whatever the above, while some of our streams there await their first token, by at
+     most the number of our requests *answered* in the step (their first token came, or
+     they ended without one; a non-streaming request says nothing until it ends, so a
+     load of those alone is not clocked): TCP's slow start grows the
      window by what was acknowledged (RFC 5681 §3.1, RFC 3465's byte counting), so the
      limit never grows on requests whose fate is unknown. Measured on vLLM's CPU build
      on an AVX2 host: 64 streams arriving at once, the limit grew from 16 to 61 in eight
@@ -211,8 +213,11 @@ class Observation:
         ttft_s: times to first token (dispatch to first token, seconds) of requests whose
             first token came in the last interval.
         answered: our requests on it that showed their first token, or ended without
-            one, in the last interval: rule 3 grows the limit by at most this many
-            (``None``: not counted, growth not clocked by them).
+            one, in the last interval: while ``awaiting`` is above 0, rule 3 grows the
+            limit by at most this many (``None``: not counted).
+        awaiting: our streams on it that have not shown their first token yet (0 or
+            ``None``: growth is not clocked; a non-streaming request says nothing until
+            it ends, so a load of them is grown as before).
     """
 
     now: float
@@ -228,6 +233,7 @@ class Observation:
     streams: int = 0
     ttft_s: tuple[float, ...] = ()
     answered: int | None = None
+    awaiting: int | None = None
 
 
 @dataclass
@@ -331,8 +337,8 @@ class CapacityController:
                 grown = self.limit + max(1.0, math.sqrt(self.limit))
             else:
                 grown = min(batch, 2.0 * self.limit if recent else self.limit + max(1.0, math.sqrt(self.limit)))
-            if obs.answered is not None:
-                grown = min(grown, self.limit + obs.answered)  # growth clocked by answers
+            if obs.answered is not None and obs.awaiting:
+                grown = min(grown, self.limit + obs.answered)  # growth clocked by answers while streams await them
             grown = min(float(s.ceiling), grown)
             if grown > self.limit:
                 self.limit, self.reason = grown, REASON_GROWING

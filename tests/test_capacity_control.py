@@ -60,14 +60,14 @@ def test_growth_is_clocked_by_answers():
     without it: 16 to 61 in eight steps before the first 28 had a first token."""
     c = CapacityController(ControlSettings(initial=16, ceiling=128))
     for i in range(8):
-        c.step(obs(i * 0.5, inflight=16, demand=True, answered=0))
+        c.step(obs(i * 0.5, inflight=16, demand=True, answered=0, awaiting=16))
     assert c.value == 16
-    c.step(obs(4.0, inflight=16, demand=True, answered=2))
+    c.step(obs(4.0, inflight=16, demand=True, answered=2, awaiting=14))
     assert c.value == 18 and c.reason == "growing"
-    c.step(obs(4.5, inflight=18, demand=True, answered=16))
+    c.step(obs(4.5, inflight=18, demand=True, answered=16, awaiting=2))
     assert c.value == 18 + 4  # answers allow 16, the rule's own step (sqrt) is smaller
-    c.step(obs(5.0, inflight=22, demand=True))  # answers not counted: the rule alone
-    assert c.value == 26
+    c.step(obs(5.0, inflight=22, demand=True, answered=0, awaiting=0))  # no stream awaits: not clocked
+    assert c.value == 26  # (non-streaming requests say nothing until they end)
 
 
 def test_the_engines_queue_stops_dispatch_at_once_and_backs_off():
@@ -556,10 +556,15 @@ def test_meter_counts_answers_first_tokens_and_ends_without_one():
     m.progress(a, 5, 0.4)  # more tokens of a stream already answered: not again
     m.finished(b)  # a non-streaming answer (or a failure): no token seen, ended
     m.progress(c, 0, 0.3)  # no token yet: not answered
-    assert m.sample(0.5).answered == 2
+    m.awaiting(c)
+    m.awaiting(a)  # already answered: not awaited
+    first = m.sample(0.5)
+    assert first.answered == 2 and first.awaiting == 1
     assert m.sample(1.0).answered == 0
     m.finished(a)  # an answered stream's end is no new answer
-    assert m.sample(1.5).answered == 0
+    m.progress(c, 1, 1.2)
+    second = m.sample(1.5)
+    assert second.answered == 1 and second.awaiting == 0
 
 
 def test_meter_forgets_ended_requests():

@@ -155,6 +155,17 @@ class Admitted:
         if self.ticket is not None:
             self.ticket.shown = True
 
+    def mark_stream(self) -> None:
+        """Its answer is streamed: its first token is timed (objective protection,
+        :attr:`qos.Ticket.stream`) and awaited by its engine's meter (the capacity
+        controller's growth is clocked by first tokens while streams await them:
+        :meth:`proxy.routing.engine_meter.EngineMeter.awaiting`)."""
+        t = self.ticket
+        if t is not None:
+            t.stream = True
+            if t.placement is not None:
+                t.placement.meter.awaiting(t)
+
     def record_output(self, output_tokens: int) -> None:
         """The output counted so far (:meth:`proxy.admission.admission.Admission.record_output`;
         nothing outside admission)."""

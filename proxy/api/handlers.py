@@ -122,8 +122,8 @@ async def _generation(request: web.Request, ex: Exchange, kind: RequestKind) -> 
         async with admitted:
             if reporter is not None:
                 req.early = await reporter.stop()
-            if parsed.stream and admitted.ticket is not None:
-                admitted.ticket.stream = True  # its first token is timed (objective protection)
+            if parsed.stream:
+                admitted.mark_stream()  # its first token is timed and awaited
             _dispatched(ex, admitted)
             resp = await _serve(request, ex, req, admitted, state)
             return resp if not status else await queue_answer(resp, req.early, ex.queue_wait, None)

@@ -57,25 +57,35 @@ class MeterSample:
         answered: requests that showed their first token, or ended without one (a
             non-streaming answer, a failure), since the last step: the controller's
             acknowledgements (:attr:`qos.capacity_control.Observation.answered`).
+        awaiting: streams placed here that have not shown their first token yet (only
+            streams say when their first token comes; a non-streaming request is silent
+            until it ends).
     """
 
     tpot_s: float | None
     streams: int
     ttft_s: tuple[float, ...]
     answered: int = 0
+    awaiting: int = 0
 
 
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
+        self._awaiting: set[Any] = set()  # streams placed here without a first token yet
         self._answered = 0  # first tokens, and ends without one, since the last step
         self._ttft: list[float] = []
         self._sampled_at: float | None = None
         self._ended: list[float] = []  # per-token times of streams that ended since the last step
+
+    def awaiting(self, ticket: Any) -> None:
+        """``ticket``, placed here, is a stream: its first token is awaited."""
+        if ticket not in self._streams:
+            self._awaiting.add(ticket)
 
     def progress(self, ticket: Any, output_tokens: int, now: float) -> None:
         """``ticket`` (a :class:`qos.Ticket`) has produced ``output_tokens`` so far."""
@@ -84,6 +94,7 @@ class EngineMeter:
             if output_tokens <= 0:
                 return
             self._answered += 1
+            self._awaiting.discard(ticket)
             admitted = ticket.admitted_at
             if admitted is not None and len(self._ttft) < 4096:
                 self._ttft.append(max(0.0, now - admitted))
@@ -98,6 +109,7 @@ class EngineMeter:
         at 0.05 s, is measured too: without it an idle engine's per-token time, the
         latency bound's baseline, was never seen before the first load came)."""
         st = self._streams.pop(ticket, None)
+        self._awaiting.discard(ticket)
         if st is None:
             self._answered += 1  # ended without a first token: a non-streaming answer, a failure
         elif st.stepped and st.n > st.n_step and len(self._ended) < 4096:
@@ -128,12 +140,14 @@ class EngineMeter:
         self._ended = []
         ttft, self._ttft = tuple(self._ttft), []
         answered, self._answered = self._answered, 0
+        self._awaiting = {t for t in self._awaiting if t.state is TicketState.ADMITTED}  # an end never reported
+        awaiting = len(self._awaiting)
         if not rates:
-            return MeterSample(None, 0, ttft, answered)
+            return MeterSample(None, 0, ttft, answered, awaiting)
         rates.sort()
         mid = len(rates) // 2
         median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
-        return MeterSample(median, len(rates), ttft, answered)
+        return MeterSample(median, len(rates), ttft, answered, awaiting)
 
     @property
     def streams(self) -> int:

@@ -181,6 +181,7 @@ class EnginePoller:
                 streams=sample.streams,
                 ttft_s=sample.ttft_s,
                 answered=sample.answered,
+                awaiting=sample.awaiting,
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
