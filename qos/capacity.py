@@ -102,9 +102,8 @@ def occupied(inflight: int, held: dict[float, int], capacity: int, peaks: Recent
     excess = 0
     for level, k in held.items():
         if level > 0.0:
-            above = peaks.above(level) if peaks is not None else 0
-            own = capacity - min(capacity - 1, kept_for_above(capacity, level, above)) if capacity > 0 else capacity
-            excess += max(0, k - own)
+            above = peaks.above(level) if peaks is not None else 0  # their peak, not what they run now
+            excess += max(0, k - room_for(capacity, level, above))
     return inflight - excess
 
 
@@ -122,16 +121,18 @@ class RecentPeaks:
     step interval) of one count per level. Without :meth:`roll` nothing is measured.
     """
 
-    __slots__ = ("window_s", "fixed_levels", "_step", "_steps", "_max")
+    __slots__ = ("window_s", "fixed_levels", "_step", "_steps", "_max", "_above")
 
-    def __init__(self, window_s: float = PEAK_WINDOW_S, fixed_levels: set[float] | None = None) -> None:
+    def __init__(self, window_s: float = PEAK_WINDOW_S) -> None:
         self.window_s = window_s
         # levels that keep only the fixed fraction for the classes above (a class with a
-        # min_share floor); a set shared with the pool, updated in place at a reload
-        self.fixed_levels: set[float] = fixed_levels if fixed_levels is not None else set()
+        # min_share floor); the pool's router shares one set with every engine and
+        # updates it in place at a reload (proxy.routing.router.PoolRouter.fixed_levels)
+        self.fixed_levels: set[float] = set()
         self._step: dict[float, int] = {}  # the step now: the most of each level at once
         self._steps: deque[tuple[float, dict[float, int]]] = deque()  # (ended at, peaks) of the steps in the window
         self._max: dict[float, int] = {}  # over the ended steps in the window
+        self._above: dict[float, int] = {}  # above(level), kept until the next roll (asked on every placement)
 
     def note(self, level: float, count: int) -> None:
         """A request of ``level`` was placed; ``count`` of that level run now."""
@@ -152,13 +153,17 @@ class RecentPeaks:
                 if k > top.get(lv, 0):
                     top[lv] = k
         self._max = top
+        self._above = {}
 
     def above(self, level: float) -> int:
         """The sum of the recent peaks of the levels below ``level`` (the classes above
         it); 0 for the top class and for a level in :attr:`fixed_levels`."""
         if level in self.fixed_levels:
             return 0
-        return sum(k for lv, k in self._max.items() if lv < level)
+        n = self._above.get(level)
+        if n is None:
+            n = self._above[level] = sum(k for lv, k in self._max.items() if lv < level)
+        return n
 
     def vacant(self, level: float, held: dict[float, int]) -> int:
         """How many more requests the levels below ``level`` (the classes above it) ran
