@@ -67,6 +67,12 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
      instead of doubling past it (TCP Vegas's additive zone below its upper threshold);
      tokens well within it (a latency cut by a fresh engine's slow first requests) do
      not slow the growth;
+   * whatever the above, by at most what the engine can run before its per-token time,
+     grown in proportion to what it runs, reaches the bound (at least one request):
+     ``running x (bound / tpot - 1)`` (the gradient of Gradient2 and Vegas; see
+     :meth:`CapacityController._latency_room`), so a doubling never jumps past the
+     knee: on vLLM's CPU build a doubling from 17 to 34 at 2.5 times the baseline sent
+     13 prefills at once and stalled every stream for seconds;
    * whatever the above, while some of our streams there await their first token, by at
      most the number of our requests *answered* in the step (their first token came, or
      they ended without one; a non-streaming request says nothing until it ends, so a
@@ -337,6 +343,8 @@ class CapacityController:
                 grown = self.limit + max(1.0, math.sqrt(self.limit))
             else:
                 grown = min(batch, 2.0 * self.limit if recent else self.limit + max(1.0, math.sqrt(self.limit)))
+            if (room := self._latency_room(obs)) is not None:
+                grown = min(grown, self.limit + max(1.0, room))  # never past where tokens would reach the bound
             if obs.answered is not None and obs.awaiting:
                 grown = min(grown, self.limit + obs.answered)  # growth clocked by answers while streams await them
             grown = min(float(s.ceiling), grown)
@@ -437,6 +445,27 @@ class CapacityController:
             return 0
         self._slow_run = self._slow_run + 1 if obs.tpot_s > self.settings.tpot_slowdown * base else 0
         return self._slow_run
+
+    def _latency_room(self, obs: Observation) -> float | None:
+        """How many more requests the engine can run before its per-token time reaches
+        the bound, if that time grows in proportion to what it runs: ``running x (bound /
+        tpot - 1)``, where ``running`` is what the engine reports running (everyone's), or
+        our in flight when it does not say; ``None`` without a baseline or a median over
+        ``min_streams`` streams. Proportional growth is a compute-bound engine's worst
+        case (each step does a token of work per request; a step's fixed costs and a
+        GPU's memory-bound decode grow more slowly), so growth to this never overshoots
+        the bound on a true reading: the gradient of Netflix's ``Gradient2Limit``
+        (``limit x no-load latency / latency``) and TCP Vegas's expected against actual
+        rate, applied as a cap on rule 3's growth. Measured on vLLM's CPU build on an
+        AVX2 host: the limit doubled from 17 to 34 with tokens at 2.5 times the baseline
+        (bound 3), the 13 prefills dispatched at once stalled every stream for 1.4-2.4 s
+        a token, and platinum's first tokens took 1-3 s for the next 8 s; this cap allows
+        20."""
+        base = self.baseline_tpot_s
+        if base is None or obs.tpot_s is None or obs.tpot_s <= 0 or obs.streams < self.settings.min_streams:
+            return None
+        running = obs.engine_running if obs.engine_running is not None else obs.inflight
+        return max(0.0, running * (self.settings.tpot_slowdown * base / obs.tpot_s - 1.0))
 
     def _near_bound(self, obs: Observation) -> bool:
         """Whether this step's median per-token time (over at least ``min_streams``

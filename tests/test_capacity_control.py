@@ -391,6 +391,41 @@ def test_capacity_holds_near_the_knee_where_tokens_reach_the_bound():
     assert 0.9 * 48 <= sum(tail) / len(tail) <= 48 + 2, tail
 
 
+def test_growth_stops_where_tokens_would_reach_the_bound():
+    """A doubling back to a batch the engine ran (someone else's queue cut the limit to
+    1) stops where the per-token time, grown in proportion to what runs, would reach the
+    bound (the gradient of Gradient2 and Vegas). Measured on vLLM's CPU build without it:
+    from 17 at 2.5 times the baseline (bound 3) the limit doubled to 34, the 13 prefills
+    sent at once stalled every stream for 1.4-2.4 s a token, and platinum's first tokens
+    took 1-3 s for the next 8 s."""
+    c = CapacityController(ControlSettings(initial=16, ceiling=1024))
+    c.step(obs(0, inflight=1, tpot_s=0.08, streams=1, engine_running=1, engine_waiting=0))
+    assert c.baseline_tpot_s == 0.08
+    for i in range(1, 30):  # another client's 128 running and 90 waiting: cut to the floor
+        c.step(obs(i * 0.5, inflight=0, engine_waiting=90, engine_running=128))
+    assert c.value == 1
+    t = 15.0
+    c.step(obs(t, inflight=0, engine_waiting=0, engine_running=0))
+    while c.value < 17:  # our load, tokens at the baseline: doubles back
+        t += 0.5
+        before = c.value
+        c.step(obs(t, inflight=before, demand=True, engine_waiting=0, engine_running=before, tpot_s=0.08, streams=max(4, before), answered=before, awaiting=0))
+        assert c.value <= 2 * before + 1
+    n = c.value
+    assert n < 60
+    # at 2.5 x the baseline: room for n x (3 / 2.5 - 1) = n / 5 more, not a doubling
+    c.step(obs(t + 0.5, inflight=n, demand=True, engine_waiting=0, engine_running=n, tpot_s=0.2, streams=n, answered=n, awaiting=0))
+    assert n < c.value <= n + math.ceil(n / 5) + 1, (n, c.value)
+    # far within the bound the gradient does not slow slow start
+    m = c.value
+    c.step(obs(t + 1.0, inflight=m, demand=True, engine_waiting=0, engine_running=m, tpot_s=0.08, streams=m, answered=m, awaiting=0))
+    assert c.value == 2 * m
+    # at the bound itself, still one request a step (never stuck below a bound not reached)
+    k = c.value
+    c.step(obs(t + 1.5, inflight=k, demand=True, engine_waiting=0, engine_running=k, tpot_s=0.239, streams=k, answered=k, awaiting=0))
+    assert c.value == k + 1
+
+
 def test_after_idle_the_load_uses_the_capacity_found_by_doubling_per_step():
     """Restart after idle (RFC 5681 4.1, RFC 7661): with the engine idle, a new load may
     use the initial limit, then twice what was in flight at the last step, not the whole
