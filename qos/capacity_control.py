@@ -38,9 +38,15 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    busy by someone else cannot stall the proxy's queue for good.
 2. **Tokens slow beyond the bound**: the median time per output token of the streams now
    decoding (at least ``min_streams`` of them) exceeds ``tpot_slowdown`` times the
-   engine's baseline (its per-token time with little load, see below), ``slow_steps``
-   steps in a row:
-   ``limit <- max(latency_floor, limit * backoff)``; fewer steps in a row hold the limit.
+   engine's baseline (its per-token time with little load, see below), in ``slow_steps``
+   of the last ``2 x slow_steps - 1`` steps that had such a median:
+   ``limit <- max(latency_floor, limit * backoff)``; while fewer, a step whose median, or
+   the mean of that window's medians, is beyond the bound holds the limit. A run in a row
+   is not asked for: on vLLM's CPU build every new request's prefill stalls the whole
+   batch, and a load arriving at a few requests a second made the medians alternate
+   between 0.25 and 0.7 s a token (the bound 0.29): no three slow steps came in a row,
+   every fast step grew the limit, and it climbed to 60 with tokens at 0.4 s on average
+   and platinum's first tokens at 0.8-2 s.
    ``latency_floor`` is ``latency_floor_fraction`` of the *reference*: the limit of the
    steps whose tokens were within the bound, followed up at once and down by 1 % of the
    gap per such step (so a run of slow steps broken by one fast step cannot ratchet the
@@ -166,8 +172,9 @@ class ControlSettings:
         latency_floor_fraction: latency alone never takes the limit below this fraction
             of the limit of the last step whose tokens were within the bound (0..1).
         min_streams: streams a per-token median needs before it counts (>= 1).
-        slow_steps: steps in a row beyond the bound before latency lowers the limit (a
-            moment's jitter of a loaded host is not a slower engine).
+        slow_steps: steps beyond the bound, among the last ``2 x slow_steps - 1`` that
+            had a median, before latency lowers the limit (a moment's jitter of a loaded
+            host is not a slower engine; a slowness that comes every other step is).
         probe_after_s: for this long after the engine last queued, the limit doubles back
             up to what the engine ran then (its batch) and stops there; after it, it grows
             by sqrt(limit) up to the batch and probes above by one request a step.
@@ -272,7 +279,8 @@ class CapacityController:
     baseline_ttft_s: float | None = None
     decreases: dict[str, int] = field(default_factory=dict)
     adaptive: bool = True
-    _slow_run: int = field(default=0, repr=False)
+    _readings: deque = field(default_factory=deque, repr=False)  # the last 2 x slow_steps - 1 per-token medians (rule 2)
+    _counted: int = field(default=0, repr=False)  # how many of the newest readings count towards a cut (those since the last one)
     _reference: float = field(default=0.0, repr=False)
     _full_at: float = field(default=-math.inf, repr=False)  # when the engine last said it was full
     _last_queue: float | None = field(default=None, repr=False)
@@ -324,9 +332,9 @@ class CapacityController:
         elif obs.kv_usage is not None and obs.kv_usage >= obs.saturated_at:
             self._full_at = obs.now
             cut = min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor
-        elif (slow := self._slow(obs)) >= s.slow_steps:
+        elif (slow := self._slow(obs))[0] >= s.slow_steps:
             cut = self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference)
-        elif slow:
+        elif slow[1]:
             self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
         elif obs.demand or obs.inflight * 2 >= self.limit:
             batch = self._batch
@@ -363,6 +371,8 @@ class CapacityController:
                 self.reason = reason
             else:
                 self._lower(target, reason, floor)
+                if reason == REASON_LATENCY:
+                    self._counted = 0  # the slowness they showed is answered (one cut per round trip); their mean still holds growth
         if self.reason != REASON_LATENCY:
             # the reference follows the limit up at once and down slowly (a run of slow
             # steps broken by one within the bound must not ratchet the floor down)
@@ -435,16 +445,35 @@ class CapacityController:
         grows back to are this, not one reading."""
         return self._ran[0][1] if self._ran else 0.0
 
-    def _slow(self, obs: Observation) -> int:
-        """Steps in a row whose median per-token time was beyond the bound, counting this
-        one; 0 for a step without a median over ``min_streams`` streams (it says nothing
-        of latency, and counting it slow would hold a limit too low to ever measure
-        again), which keeps the run for the next."""
+    def _slow(self, obs: Observation) -> tuple[int, bool]:
+        """Rule 2's reading of this step: (how many of the last ``2 x slow_steps - 1``
+        per-token medians were beyond the bound, those before the last latency cut left
+        out: that cut answered them; whether the latency signal (:meth:`_tpot`, which
+        still takes them in) is beyond it now). A step without a median over
+        ``min_streams`` streams says nothing of latency (counting it slow would hold a
+        limit too low to ever measure again): it adds no reading, and the window's last
+        ones stand."""
         base = self.baseline_tpot_s
         if base is None or obs.tpot_s is None or obs.streams < self.settings.min_streams:
-            return 0
-        self._slow_run = self._slow_run + 1 if obs.tpot_s > self.settings.tpot_slowdown * base else 0
-        return self._slow_run
+            return 0, False
+        readings = self._readings
+        readings.append(obs.tpot_s)
+        size = 2 * self.settings.slow_steps - 1
+        while len(readings) > size:
+            readings.popleft()
+        self._counted = min(self._counted + 1, size)
+        bound = self.settings.tpot_slowdown * base
+        counted = list(readings)[len(readings) - self._counted :]
+        return sum(1 for t in counted if t > bound), self._tpot(obs) > bound
+
+    def _tpot(self, obs: Observation) -> float:
+        """The per-token time rules 2 and 3 judge by (seconds): the slower of this step's
+        median and the mean of the window's (:meth:`_slow`): a sudden slowdown counts at
+        once, and one that comes every other step counts by its mean, so a fast step
+        between two slow ones is no licence to grow."""
+        readings = self._readings
+        mean = sum(readings) / len(readings) if readings else 0.0
+        return max(obs.tpot_s or 0.0, mean)
 
     def _latency_room(self, obs: Observation) -> float | None:
         """How many more requests the engine can run before its per-token time reaches
@@ -465,7 +494,7 @@ class CapacityController:
         if base is None or obs.tpot_s is None or obs.tpot_s <= 0 or obs.streams < self.settings.min_streams:
             return None
         running = obs.engine_running if obs.engine_running is not None else obs.inflight
-        return max(0.0, running * (self.settings.tpot_slowdown * base / obs.tpot_s - 1.0))
+        return max(0.0, running * (self.settings.tpot_slowdown * base / self._tpot(obs) - 1.0))
 
     def _near_bound(self, obs: Observation) -> bool:
         """Whether this step's median per-token time (over at least ``min_streams``
@@ -474,7 +503,7 @@ class CapacityController:
         base = self.baseline_tpot_s
         if base is None or obs.tpot_s is None or obs.streams < self.settings.min_streams:
             return False
-        return obs.tpot_s > NEAR * self.settings.tpot_slowdown * base
+        return self._tpot(obs) > NEAR * self.settings.tpot_slowdown * base
 
     def _learn(self, obs: Observation) -> None:
         drift = self.settings.baseline_drift
