@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -124,10 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-engine-frontier-"))
     engine = None
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     load_before = os.getloadavg()
     try:
         print(f"starting vLLM (logs in {workdir}) ...", file=sys.stderr, flush=True)
@@ -151,8 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; engine stopped", file=sys.stderr)
-        sys.exit(130)
+    h.run_script(main, "engine stopped")

@@ -45,7 +45,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -347,10 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LLM_QOS_ADMIN_KEY"] = ADMIN_KEY
     procs: list = []
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     load_before = os.getloadavg()
     try:
         print(f"starting vLLM (logs in {workdir}) ...", file=sys.stderr, flush=True)
@@ -379,8 +374,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; engine and proxies stopped", file=sys.stderr)
-        sys.exit(130)
+    h.run_script(main, "engine and proxies stopped")

@@ -66,7 +66,6 @@ import math
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -741,10 +740,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LLM_QOS_ADMIN_KEY"] = ADMIN_KEY  # inherited by the proxy process
     engine = proxy = None
 
-    def on_term(signum, frame):  # SIGTERM stops everything as Ctrl-C does
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     try:
         print(f"starting vLLM (logs in {workdir}) ...", file=sys.stderr, flush=True)
         t = time.monotonic()
@@ -780,8 +775,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the engine and the proxy are stopped already
-        print("interrupted; engine and proxy stopped", file=sys.stderr)
-        sys.exit(130)
+    h.run_script(main, "engine and proxy stopped")

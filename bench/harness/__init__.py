@@ -22,6 +22,7 @@ from .processes import (
     python_env,
     raise_nofile,
     run_loop,
+    run_script,
     set_affinity,
     spawn,
     stop,

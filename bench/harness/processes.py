@@ -18,6 +18,7 @@ import selectors
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -265,3 +266,19 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     except ImportError:  # pragma: no cover
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_script(main: Callable[[], int], stopped: str) -> None:
+    """Run a bench's ``main`` as a script and exit with its status. SIGTERM stops it as
+    Ctrl-C does (a ``KeyboardInterrupt``, so the ``finally`` blocks of ``main`` stop what
+    it started); then it prints ``interrupted; <stopped>`` and exits 130."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(f"interrupted; {stopped}", file=sys.stderr)
+        sys.exit(130)
