@@ -91,6 +91,24 @@ async def test_a_request_that_never_reached_its_engine_moves_even_to_a_full_one(
     assert all(e.inflight == 0 for e in adm.pools["a"].router.engines.values())
 
 
+async def test_a_moved_stream_is_awaited_by_its_new_engine_only():
+    """The capacity controller's growth is clocked by first tokens while streams await
+    them (:class:`proxy.routing.engine_meter.EngineMeter`): a stream moved to another
+    engine before it reached its first is awaited there, and no longer by the engine it
+    never reached (which would clock that engine's growth for as long as it ran)."""
+    adm = admission(config([pool("a", "a1", "a2")]))
+    t = await adm.acquire("carl", None, 5, 5, pool="a")
+    t.stream = True
+    first = t.placement
+    first.meter.awaiting(t)
+    moved = adm.reroute(t, [first])
+    assert moved is not None and moved is not first
+    assert first.meter.sample(1.0).awaiting == 0
+    assert moved.meter.sample(1.0).awaiting == 1
+    adm.release(t)
+    assert moved.meter.sample(2.0).awaiting == 0
+
+
 async def test_a_removed_pool_finishes_its_queue_then_closes():
     cfg = config([pool("a", "a1"), pool("b", "b1")])
     adm = admission(cfg)

@@ -75,6 +75,17 @@ def _nothing() -> None:
     return None
 
 
+def _moved_meter(ticket: Ticket, old: EngineState | None, new: EngineState | None) -> None:
+    """``ticket`` left ``old`` (it never reached it: an end without a first token there)
+    for ``new``, where a stream's first token is awaited again
+    (:class:`proxy.routing.engine_meter.EngineMeter`: the capacity controller's growth is
+    clocked by first tokens while streams await them)."""
+    if old is not None and old is not new:
+        old.meter.finished(ticket)
+    if new is not None and new is not old and ticket.stream:
+        new.meter.awaiting(ticket)
+
+
 
 
 class Admission:
@@ -369,6 +380,7 @@ class Admission:
         """
         if ticket.state is TicketState.QUEUED:
             await self._wait(ticket)
+        _moved_meter(ticket, None, ticket.placement)  # the preemption told its old engine's meter
         return ticket.placement
 
     def preempted(self, ticket: Ticket) -> bool:
@@ -432,8 +444,10 @@ class Admission:
         w = ticket.context
         if not isinstance(w, Waiting) or w.pool is None:
             return None
+        old = ticket.placement
         engine = w.pool.router.reroute(ticket, exclude=tuple(tried), over=True)
         ticket.placement = engine
+        _moved_meter(ticket, old, engine)
         return engine
 
     def report(self, engine: EngineState, ok: bool, reason: str | None = None, detail: str = "", *, status: int | None = None) -> None:
