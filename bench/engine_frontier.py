@@ -40,39 +40,28 @@ from pathlib import Path
 import aiohttp
 
 from bench import harness as h
-from bench import real_engine as re_
+from bench import real_engine
 
 OUT = h.REPO_ROOT / "bench" / "out" / "engine_frontier.json"
 DEFAULT_BATCHES = (8, 16, 24, 32, 48, 64)
 
 
-def steady_rate(series: dict[str, list[int]], cls: str, a: float, b: float) -> float:
-    """Tokens per second of ``cls`` over whole seconds [a, b) of a row's per-second series."""
-    row = series.get(cls, [])
-    lo, hi = int(a), int(b)
-    return round(sum(row[lo:hi]) / max(1, hi - lo), 1)
-
-
 async def sweep(engine_url: str, model: str, batches: list[int], reference: int, duration: float, seed: int) -> dict:
     """The unloaded probes, then one direct row per batch size and the reference row."""
     sizes = [*batches, reference] if reference not in batches else list(batches)
-    for n in sizes:
-        re_.LOAD_ROWS.setdefault(f"{n}-fixed", (n, "fixed"))
-    conn = aiohttp.TCPConnector(limit=max(sizes) + 2 * int(re_.PROBE_GRACE_S / re_.PROBE_INTERVAL_S) + 200, keepalive_timeout=30)
-    timeout = aiohttp.ClientTimeout(total=duration + re_.PROBE_GRACE_S + 120)
+    conn = aiohttp.TCPConnector(limit=max(sizes) + 2 * int(real_engine.PROBE_GRACE_S / real_engine.PROBE_INTERVAL_S) + 200, keepalive_timeout=30)
+    timeout = aiohttp.ClientTimeout(total=duration + real_engine.PROBE_GRACE_S + 120)
     warmup = max(3.0, 0.2 * duration)
     rows = []
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        ctx = re_.Ctx(session, engine_url, engine_url, model, duration, warmup, 0, seed, [])
-        base = await re_.unloaded(ctx, "direct")
+        ctx = real_engine.Ctx(session, engine_url, engine_url, model, duration, warmup, 0, seed, [])
+        base = await real_engine.unloaded(ctx, "direct")
         print(f"unloaded platinum TTFT p50 {base['p50_s']} s", file=sys.stderr, flush=True)
         for n in sizes:
-            r = await re_.run_row(ctx, f"{n}-fixed", "direct")
-            series = r["tokens_per_s_series"]
+            r = await real_engine.run_row(ctx, f"{n}-fixed", "direct")
             row = {"streams": n,
                    "running_mean": r["num_requests_running"]["mean"], "waiting_mean": r["num_requests_waiting"]["mean"],
-                   "bronze_tok_s": steady_rate(series, "bronze", warmup, duration),
-                   "probe_tok_s": steady_rate(series, "probe", warmup, duration),
+                   "bronze_tok_s": r["bronze_tok_s"], "probe_tok_s": r["probe_tok_s"],
                    "ttft_p50_s": r["ttft_p50_s"], "ttft_p90_s": r["ttft_p90_s"], "probes": r["probes"]}
             row["total_tok_s"] = round(row["bronze_tok_s"] + row["probe_tok_s"], 1)
             rows.append(row)
@@ -83,7 +72,7 @@ async def sweep(engine_url: str, model: str, batches: list[int], reference: int,
 
 def judge(data: dict) -> dict:
     """Issue 20's targets for each batch row, in place; returns the targets."""
-    tg = re_.targets(data["unloaded"]["p50_s"])
+    tg = real_engine.targets(data["unloaded"]["p50_s"])
     ref = next(r for r in data["rows"] if r["streams"] == data["reference"])
     for r in data["rows"]:
         r["vs_reference"] = round(r["bronze_tok_s"] / ref["bronze_tok_s"], 3) if ref["bronze_tok_s"] else None
@@ -127,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"starting vLLM (logs in {workdir}) ...", file=sys.stderr, flush=True)
         t = time.monotonic()
-        engine, engine_url, model, how = re_.start_engine(h.free_port(), workdir)
+        engine, engine_url, model, how = real_engine.start_engine(h.free_port(), workdir)
         print(f"vLLM ready in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
         data = asyncio.run(sweep(engine_url, model, batches, a.reference, a.duration, a.seed))
     finally:
-        h.stop(engine, re_.STOP_GRACE_S)
+        h.stop(engine, real_engine.STOP_GRACE_S)
     data["reference"] = a.reference
     tg = judge(data)
     meta = {"engine": how, "model": model, "cpus": os.cpu_count(), "cpu": h.cpu_model() or "?",

@@ -107,8 +107,21 @@ IDLE_GAP_S = 1.5  # after the engine drained, before the next run: every run sta
 CONTROL_FIELDS = ("capacity_reason", "capacity_decreases")  # what /admin/status says of each engine's controller, kept as is
 ENGINE_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
-LOAD_ROWS = {"64-fixed": (64, "fixed"), "64-random": (64, "random"), "160-fixed": (160, "fixed"), "160-random": (160, "random")}
+LOAD_ROWS = ["64-fixed", "64-random", "160-fixed", "160-random"]
 ALL_ROWS = [*LOAD_ROWS, "fairness"]
+
+
+def row_load(row: str) -> tuple[int, str]:
+    """(bronze streams, ``fixed`` or ``random`` lengths) of a load row named ``N-fixed``
+    or ``N-random`` (those of :data:`LOAD_ROWS`, or any other N: :mod:`bench.engine_frontier`).
+
+    Raises:
+        ValueError: not such a name.
+    """
+    n, _, lengths = row.partition("-")
+    if not n.isdigit() or int(n) < 1 or lengths not in ("fixed", "random"):
+        raise ValueError(f"not a load row: {row!r}")
+    return int(n), lengths
 QUICK_ROWS = ["64-fixed", "64-random", "fairness"]
 
 
@@ -398,7 +411,7 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
                     ctx.session, url, ctx.model, PLATINUM_KEYS[user], user, "fixed", random.Random(rnd.random()), stop_at, tokens, counters)))
         await asyncio.sleep(max(0.0, stop_at - time.monotonic()))
     else:
-        n, lengths = LOAD_ROWS[row]
+        n, lengths = row_load(row)
         for _ in range(n):
             workers.append(asyncio.create_task(closed_loop(
                 ctx.session, url, ctx.model, None, "bronze", lengths, random.Random(rnd.random()), stop_at, tokens, counters)))
@@ -443,9 +456,10 @@ async def run_row(ctx: Ctx, row: str, path: str) -> dict:
         out["alice_share_windows"] = [round(s, 4) for s in shares]
         out["platinum_tok_s"] = round((ta + tb) / steady, 1)
     else:
-        n, lengths = LOAD_ROWS[row]
+        n, lengths = row_load(row)
         out.update(bronze_streams=n, lengths=lengths)
         out["bronze_tok_s"] = round(tokens.count("bronze", a, b) / steady, 1)
+        out["probe_tok_s"] = round(tokens.count("probe", a, b) / steady, 1)
         measured = [p for p in probes if p.sent_s >= a and p.ttft_s is not None]
         ttfts = [p.ttft_s for p in measured]
         out["probes"] = {"sent": len(probes), "measured": len(measured), "censored": sum(p.censored for p in measured),
@@ -657,7 +671,7 @@ def plot(results: list[dict], unloaded_s: float, tg: dict, path: Path) -> None:
 
 async def measure(engine_url: str, proxy_url: str, model: str, rows: list[str], a, pids: list) -> dict:
     """Unloaded probes, then every row direct and through the proxy."""
-    streams = max([LOAD_ROWS[r][0] for r in rows if r in LOAD_ROWS] + [2 * a.fair_streams if "fairness" in rows else 0])
+    streams = max([row_load(r)[0] for r in rows if r != "fairness"] + [2 * a.fair_streams if "fairness" in rows else 0])
     conn = aiohttp.TCPConnector(limit=streams + 2 * int(PROBE_GRACE_S / PROBE_INTERVAL_S) + 200, keepalive_timeout=30)
     timeout = aiohttp.ClientTimeout(total=a.duration + PROBE_GRACE_S + 120)
     warmup = max(3.0, 0.2 * a.duration)

@@ -141,6 +141,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 REFERENCE_DECAY = 0.01  # per step within the bound, how far the latency floor's reference follows a lower limit
@@ -463,8 +464,8 @@ class CapacityController:
             readings.popleft()
         self._counted = min(self._counted + 1, size)
         bound = self.settings.tpot_slowdown * base
-        counted = list(readings)[len(readings) - self._counted :]
-        return sum(1 for t in counted if t > bound), self._tpot(obs) > bound
+        slow = sum(1 for t in islice(readings, len(readings) - self._counted, None) if t > bound)
+        return slow, self._tpot(obs) > bound
 
     def _tpot(self, obs: Observation) -> float:
         """The per-token time rules 2 and 3 judge by (seconds): the slower of this step's
