@@ -169,13 +169,13 @@ class Scheduler:
         # occupied, not inflight: a higher class may have room while the engines hold
         # more than their capacity (a lower class's excess after a cut counts only up to
         # its own room: qos.capacity.occupied)
-        while self.queued and cap.occupied < cap.slots:
+        while self.queued and cap.occupied < (slots := cap.slots):
             for queue in self._candidates():
                 if self._held(self._rank[queue.name]):
                     continue  # objective protection holds its new work back
                 head = queue.peek(self._accounts)
                 assert head is not None
-                free = cap.slots - cap.inflight  # <= 0 while a lower class's excess drains: no slot to keep
+                free = slots - cap.inflight  # <= 0 while a lower class's excess drains: no slot to keep
                 if holds and free > 0 and held_before(holds, head[1], self._rank, self._accounts) >= free:
                     continue  # the free slots are kept for users who rank before it
                 if cap.reserve(head[0]):

@@ -73,7 +73,9 @@ def arm_preempt_timer(pool: Pool, settings: Preemption, clock: Callable[[], floa
     that can make a preemption possible (a request waits, one ends, room changes) calls
     this, and a timer that preempted re-arms; one that found nothing waits for the next
     change, so no timer spins. ``clock``: the scheduler's, in seconds."""
-    due = pool.scheduler.preempt_at(preempt_after_s(settings, pool)) if settings.enabled and not pool.retired else None
+    sched = pool.scheduler
+    # nothing waits: nothing to preempt for (preempt_at would say None, after the wait's cost)
+    due = sched.preempt_at(preempt_after_s(settings, pool)) if settings.enabled and sched.queued and not pool.retired else None
     if due is None:
         if pool.preempt_timer is not None:
             pool.preempt_timer.cancel()

@@ -155,8 +155,16 @@ class EngineState:
         lease (the only thing that can make it 0) and by the controller's restart after
         idle (:attr:`qos.capacity_control.CapacityController.usable`: this process's own
         pace, never shared out)."""
-        cap = min(self.found_capacity, self.control.usable)
-        return cap if self.lease_slots is None else min(cap, self.lease_slots)
+        # min(found_capacity, usable, lease) in one pass: it is asked several times per
+        # request (usable <= the controller's value, so found's min with it is implied)
+        cap = self.control.usable
+        if self.spec.max_inflight < cap:
+            cap = self.spec.max_inflight
+        limit = self.capacity_limit
+        if limit is not None and limit < cap:
+            cap = max(1, limit)
+        lease = self.lease_slots
+        return cap if lease is None or lease >= cap else lease
 
     def configure(self, spec: EngineSpec) -> None:
         """Take a reloaded ``spec``; the controller keeps what it found, clipped into the
@@ -190,7 +198,10 @@ class EngineState:
         """Whether a request reserving ``tokens`` of a class with ``headroom`` (the
         fraction of the capacity it leaves to the classes above: :func:`qos.capacity.room_for`)
         may be placed here now (module docstring)."""
-        if not self.in_rotation or self.occupied() >= self.room_for(headroom):
+        if self.health.state is not Health.HEALTHY or self.draining:
+            return False  # not in rotation
+        cap = self.capacity
+        if occupied(self.inflight, self.held, cap, self.peaks) >= self._room(cap, headroom):
             return False
         if self.lease_tokens is not None and self.inflight_tokens + tokens > self.lease_tokens:
             return False
@@ -202,7 +213,10 @@ class EngineState:
         (:func:`qos.capacity.room_for`): the capacity less the fixed fraction and the room
         the classes above it ran here at once over the last few seconds and do not run
         now (:attr:`peaks`)."""
-        return room_for(self.capacity, headroom, self.peaks.vacant(headroom, self.held) if headroom > 0.0 else 0)
+        return self._room(self.capacity, headroom)
+
+    def _room(self, capacity: int, headroom: float) -> int:
+        return room_for(capacity, headroom, self.peaks.vacant(headroom, self.held) if headroom > 0.0 else 0)
 
     def occupied(self) -> int:
         """Requests in flight here as the classes' headroom counts them: each class's up
