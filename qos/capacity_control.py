@@ -54,22 +54,6 @@ on a Global Internet", IEEE JSAC 13(8), 1995):
    the capacity found, however long it lasts and whoever causes it (a median is not moved
    by a minority of streams, and a client that sends huge prompts or stops reading slows
    only a bounded part of it).
-   **2b. A class's first token comes later than its objective** (``ttft_target_s``,
-   with objective protection on: :attr:`qos.Ticket.ttft_target_s`): a request of a
-   class with a time-to-first-token objective, dispatched to the engine, showed its
-   first token later than that target after dispatch, so the engine runs more than
-   that class can afford, whatever its per-token time says:
-   ``limit <- max(latency_floor, limit * backoff)`` (the floor and the one cut per
-   round trip of rule 2), and the limit after it is the threshold of rule 3 (TCP's
-   ``ssthresh`` after a loss): no growth above it for ``probe_after_s`` after the last
-   late first token, then one request a step. The per-token bound cannot do this: it
-   is a multiple of the engine's unloaded per-token time, and an objective is the
-   operator's own number. Measured on vLLM's CPU build on an AVX2 host (objectives
-   bench, 5x overload): the limit settled at 20-33 with tokens within the bound, and
-   platinum's first tokens took 0.8 s after dispatch at the median against its 0.5 s
-   objective. The stated bound is rule 2's: a class's own requests, slow however they
-   are made (a huge prompt's own prefill), take the limit no lower than the latency
-   floor.
 3. **Demand presses on the limit** (requests wait in the proxy for this engine, or at
    least half the limit is in flight) and neither signal above fires: it grows, by how far
    it is from the engine's batch (the most the engine reported running in the
@@ -167,7 +151,6 @@ REASON_START = "start"
 REASON_ENGINE_QUEUE = "engine_queue"
 REASON_KV_CACHE = "kv_cache"
 REASON_LATENCY = "latency"
-REASON_OBJECTIVE = "objective"
 REASON_GROWING = "growing"
 REASON_CEILING = "ceiling"
 REASON_STEADY = "steady"
@@ -249,9 +232,6 @@ class Observation:
         awaiting: our streams on it that have not shown their first token yet (0 or
             ``None``: growth is not clocked; a non-streaming request says nothing until
             it ends, so a load of them is grown as before).
-        late_first_tokens: first tokens in the interval, of our requests whose class
-            has a TTFT objective, that came later than that objective after dispatch
-            (:attr:`qos.Ticket.ttft_target_s`; rule 2b). 0: none, or none measured.
     """
 
     now: float
@@ -268,7 +248,6 @@ class Observation:
     ttft_s: tuple[float, ...] = ()
     answered: int | None = None
     awaiting: int | None = None
-    late_first_tokens: int = 0
 
 
 @dataclass
@@ -356,11 +335,6 @@ class CapacityController:
             cut = min(self.limit * s.backoff, obs.inflight), REASON_KV_CACHE, s.floor
         elif (slow := self._slow(obs))[0] >= s.slow_steps:
             cut = self.limit * s.backoff, REASON_LATENCY, max(s.floor, s.latency_floor_fraction * self._reference)
-        elif obs.late_first_tokens > 0:
-            # rule 2b: a class's first token came later than its objective allows after
-            # dispatch; growth holds for probe_after_s from the last such one
-            self._full_at = obs.now
-            cut = self.limit * s.backoff, REASON_OBJECTIVE, max(s.floor, s.latency_floor_fraction * self._reference)
         elif slow[1]:
             self.reason = REASON_LATENCY  # beyond the bound, not for long yet: no growth
         elif obs.demand or obs.inflight * 2 >= self.limit:
@@ -400,11 +374,7 @@ class CapacityController:
                 self._lower(target, reason, floor)
                 if reason == REASON_LATENCY:
                     self._counted = 0  # the slowness they showed is answered (one cut per round trip); their mean still holds growth
-            if reason == REASON_OBJECTIVE:
-                # the objective's miss is a loss: the limit now is the threshold rule 3
-                # holds at within probe_after_s and probes above by one a step after
-                self._batch = min(self._batch, self.limit) if self._batch is not None else self.limit
-        if self.reason not in (REASON_LATENCY, REASON_OBJECTIVE):
+        if self.reason != REASON_LATENCY:
             # the reference follows the limit up at once and down slowly (a run of slow
             # steps broken by one within the bound must not ratchet the floor down)
             ref = self._reference

@@ -138,10 +138,6 @@ class GroupPolicy:
             kept for the classes above it: its requests are dispatched only while fewer
             than :func:`qos.capacity.room_for` ``(capacity, headroom)`` requests run
             there. 0 for the top class.
-        ttft_target_s: its time-to-first-token objective (seconds), or ``None``: a
-            dispatched request's first token later than this after dispatch tells its
-            engine's capacity controller that the engine runs more than the class can
-            afford (:attr:`qos.Ticket.ttft_target_s`, :mod:`qos.capacity_control` rule 2b).
     """
 
     name: str
@@ -150,7 +146,6 @@ class GroupPolicy:
     limits: RateLimit = RateLimit()
     default_user_weight: float = 1.0
     headroom: float = 0.0
-    ttft_target_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,8 +105,6 @@ class Ticket:
             be resumed where it stopped (``preemption.resume``); set by the caller.
             Objective protection never sheds it (:func:`qos.objective_protection.shed_victims`):
             refusing it would cut a stream its client is reading.
-        ttft_target_s: its class's time-to-first-token objective (seconds) when it was
-            submitted (:attr:`qos.GroupPolicy.ttft_target_s`), or ``None``.
     """
 
     seq: int
@@ -134,7 +132,6 @@ class Ticket:
     context: Any = field(default=None, repr=False)
     stream: bool = False
     resuming: bool = False
-    ttft_target_s: float | None = None
 
     @property
     def reserved_tokens(self) -> int:

@@ -19,7 +19,6 @@ from qos.capacity_control import (
     REASON_ENGINE_QUEUE,
     REASON_KV_CACHE,
     REASON_LATENCY,
-    REASON_OBJECTIVE,
     REASON_RESTART,
     REASON_STEADY,
     CapacityController,
@@ -328,42 +327,6 @@ def test_latency_alone_never_takes_more_than_half_the_capacity_found():
     assert c.value == 30
 
 
-def test_a_first_token_later_than_its_objective_cuts_and_holds_growth():
-    """Rule 2b: tokens well within the per-token bound, yet a class's first token came
-    later than its TTFT objective after dispatch: the engine runs more than that class
-    can afford. The limit backs off (one cut per round trip), holds for probe_after_s
-    after the last late first token, then probes up by one request a step."""
-    c = CapacityController(ControlSettings(initial=30, ceiling=128, backoff=0.9, probe_after_s=30))
-    _settle_baseline(c)
-    within = dict(tpot_s=0.06, streams=20)  # tokens at the baseline: rule 2 says nothing
-    c.step(obs(1.0, inflight=30, demand=True, **within))
-    assert c.value > 30  # the same steps without a late first token grow
-    c = CapacityController(ControlSettings(initial=30, ceiling=128, backoff=0.9, probe_after_s=30))
-    _settle_baseline(c)
-    c.step(obs(1.0, inflight=30, demand=True, late_first_tokens=1, **within))
-    assert c.value == 27 and c.reason == REASON_OBJECTIVE and c.decreases[REASON_OBJECTIVE] == 1
-    c.step(obs(1.5, inflight=30, demand=True, late_first_tokens=2, **within))
-    assert c.value == 27  # the 3 sent before the cut still drain: one cut per round trip
-    c.step(obs(2.0, inflight=27, demand=True, late_first_tokens=1, **within))
-    assert c.value == 24  # drained and still late: again
-    for i in range(5, 60):  # no late first token since 2.0 s: held until 32 s
-        c.step(obs(i * 0.5, inflight=c.value, demand=True, engine_running=c.value, **within))
-        assert c.value == 24, i
-    c.step(obs(32.5, inflight=24, demand=True, engine_running=24, **within))
-    c.step(obs(33.0, inflight=25, demand=True, engine_running=25, **within))
-    assert c.value == 26  # then one request a step (congestion avoidance)
-
-
-def test_late_first_tokens_take_no_more_than_the_latency_floor():
-    """The stated bound of rule 2 holds for rule 2b: a class's own slow requests (a huge
-    prompt's prefill) lower the limit to no less than latency_floor x the reference."""
-    c = CapacityController(ControlSettings(initial=120, ceiling=120, latency_floor_fraction=0.5))
-    _settle_baseline(c)
-    for i in range(1, 400):
-        c.step(obs(i * 0.5, inflight=c.value, demand=True, late_first_tokens=1, tpot_s=0.06, streams=50))
-    assert c.value == 60
-
-
 def test_a_few_streams_are_no_latency_signal():
     c = CapacityController(ControlSettings(initial=50, ceiling=50, min_streams=4))
     _settle_baseline(c)
@@ -526,11 +489,9 @@ def test_after_idle_the_load_uses_the_capacity_found_by_doubling_per_step():
 
 
 class _T:
-    def __init__(self, admitted_at=0.0, ttft_target_s=None, preemptions=0):
+    def __init__(self, admitted_at=0.0):
         self.admitted_at = admitted_at
         self.state = TicketState.ADMITTED
-        self.ttft_target_s = ttft_target_s
-        self.preemptions = preemptions
 
 
 def test_meter_takes_the_median_of_the_streams_there_all_step():
@@ -662,24 +623,6 @@ def test_meter_counts_answers_first_tokens_and_ends_without_one():
     m.progress(c, 1, 1.2)
     second = m.sample(1.5)
     assert second.answered == 1 and second.awaiting == 0
-
-
-def test_meter_counts_first_tokens_later_than_their_objective():
-    """Rule 2b's input: first tokens of requests with a TTFT objective, timed from
-    dispatch, and how many came later than it; a request without one, and a preempted
-    request's later part (its client's first token was the first part's), are not
-    counted."""
-    m = EngineMeter()
-    fast, late, free, resumed = _T(1.0, 0.5), _T(1.0, 0.5), _T(1.0), _T(1.0, 0.5, preemptions=1)
-    m.progress(fast, 1, 1.3)
-    m.progress(late, 1, 1.8)
-    m.progress(free, 1, 3.0)  # no objective: timed, not judged
-    m.progress(resumed, 1, 5.0)
-    m.progress(late, 4, 2.0)  # later tokens are no first token
-    s = m.sample(2.0)
-    assert (s.objective_first, s.late_first) == (2, 1) and len(s.ttft_s) == 4
-    s = m.sample(2.5)
-    assert (s.objective_first, s.late_first) == (0, 0)
 
 
 def test_meter_forgets_ended_requests():

@@ -182,7 +182,6 @@ class EnginePoller:
                 ttft_s=sample.ttft_s,
                 answered=sample.answered,
                 awaiting=sample.awaiting,
-                late_first_tokens=sample.late_first,
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
