@@ -138,6 +138,10 @@ class GroupPolicy:
             kept for the classes above it: its requests are dispatched only while fewer
             than :func:`qos.capacity.room_for` ``(capacity, headroom)`` requests run
             there. 0 for the top class.
+        ttft_target_s: its time-to-first-token objective (seconds), or ``None``: a
+            dispatched request's first token later than this after dispatch makes the
+            classes below it leave more of that engine free
+            (:attr:`qos.Ticket.ttft_target_s`, :meth:`qos.capacity.RecentPeaks.late`).
     """
 
     name: str
@@ -146,6 +150,7 @@ class GroupPolicy:
     limits: RateLimit = RateLimit()
     default_user_weight: float = 1.0
     headroom: float = 0.0
+    ttft_target_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

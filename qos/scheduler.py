@@ -339,7 +339,7 @@ class Scheduler:
         self._seq += 1
         ticket = Ticket(
             seq=self._seq, user_id=user_id, group=up.group, prompt_tokens=prompt, max_output_tokens=out,
-            enqueued_at=now, deadline=now + policy.queue_timeout_s, choices=choices,
+            enqueued_at=now, deadline=now + policy.queue_timeout_s, choices=choices, ttft_target_s=gpol.ttft_target_s, headroom=gpol.headroom,
         )  # fmt: skip
         ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
         acct = self._account(user_id, group, up, now)

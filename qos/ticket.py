@@ -105,6 +105,10 @@ class Ticket:
             be resumed where it stopped (``preemption.resume``); set by the caller.
             Objective protection never sheds it (:func:`qos.objective_protection.shed_victims`):
             refusing it would cut a stream its client is reading.
+        ttft_target_s: its class's time-to-first-token objective (seconds) when it was
+            submitted (:attr:`qos.GroupPolicy.ttft_target_s`), or ``None``.
+        headroom: its class's headroom when it was submitted
+            (:attr:`qos.GroupPolicy.headroom`: the level its engine counts it at).
     """
 
     seq: int
@@ -132,6 +136,8 @@ class Ticket:
     context: Any = field(default=None, repr=False)
     stream: bool = False
     resuming: bool = False
+    ttft_target_s: float | None = None
+    headroom: float = 0.0
 
     @property
     def reserved_tokens(self) -> int:

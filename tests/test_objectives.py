@@ -180,6 +180,20 @@ def test_objectives_in_the_config_with_their_defaults():
     assert c.objectives.window_s == 120
 
 
+def test_a_groups_ttft_objective_reaches_its_tickets_while_protection_is_on():
+    """What the capacity controller's rule 2b judges first tokens by: each ticket carries
+    its class's TTFT target (none without one, none with protection off)."""
+    from qos import Scheduler
+
+    groups = [{"name": "a", "ttft_target_s": 0.5}, {"name": "b"}]
+    on = Config.model_validate({"default_group": "b", "groups": groups})
+    s = Scheduler(on.to_policy())
+    assert s.submit("u", "a", 10, 10).ttft_target_s == 0.5
+    assert s.submit("v", "b", 10, 10).ttft_target_s is None
+    off = Config.model_validate({"default_group": "b", "groups": groups, "objectives": {"protection": {"enabled": False}}})
+    assert Scheduler(off.to_policy()).submit("u", "a", 10, 10).ttft_target_s is None
+
+
 @pytest.mark.parametrize(
     "group, where",
     [

@@ -440,6 +440,42 @@ def test_a_cut_below_what_a_lower_class_runs_keeps_the_room_above_it():
     assert e.inflight == 128  # over the cut capacity by bronze's draining excess, never more
 
 
+def test_a_late_first_token_makes_the_classes_below_leave_more_of_the_engine_free():
+    """Platinum's first token came later than its objective here: bronze and gold (the
+    classes below) keep a tenth of the engine more for the classes above at each such
+    step once their excess has drained, at most half of it in all; platinum itself is
+    not limited; a window without a late first token gives the places back one a step."""
+    r = router(eng(1, max_inflight=40))
+    (e,) = r.engines.values()
+    bronze = [ticket() for _ in range(38)]  # 40 - floor(0.05 * 40)
+    assert all(r.reserve(t, headroom=0.05) is e for t in bronze) and r.choose(10, headroom=0.05) is None
+    for t in bronze[-4:]:
+        r.release(t)
+    e.note_late(1.0, 0.0)  # platinum (headroom 0) late: 4 more kept
+    assert e.room_for(0.05) == 34 and e.room_for(0.025) == 35 and e.room_for(0.0) == 40
+    assert r.choose(10, headroom=0.05) is None  # bronze runs 34: at its room
+    assert r.choose(10) is e  # platinum places at once
+    e.note_late(1.5, 0.0)
+    assert e.room_for(0.05) == 30  # bronze ran no more than its room: another step
+    e.note_late(2.0, 0.0)
+    assert e.room_for(0.05) == 30  # bronze runs 34 against 30: draining, no further step
+    for t in bronze[:20]:
+        r.release(t)  # bronze's streams end: 14 run
+    for i in range(10):
+        e.note_late(2.5 + i * 0.5, 0.0)
+    assert e.room_for(0.05) == 20  # at most half the engine kept, the fixed fraction inside it
+    e.note_late(8.0, 0.025)  # gold late too: bronze keeps for gold, platinum's level stays
+    assert e.peaks.late_level == 0.0
+    for i in range(20):  # 10 s without a late first token, then a place a step
+        e.note_late(9.0 + i * 0.5, None)
+    assert e.room_for(0.05) == 20
+    e.note_late(19.0, None)
+    assert e.room_for(0.05) == 21
+    for i in range(40):
+        e.note_late(19.5 + i * 0.5, None)
+    assert e.room_for(0.05) == 38 and e.peaks.late_level is None
+
+
 def _peaked(capacity: int, ran: int, still: int):
     """A one-engine pool of ``capacity`` where platinum (headroom 0) ran ``ran`` requests
     at once in the load poller's last step and runs ``still`` of them now."""

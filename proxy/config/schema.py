@@ -355,13 +355,15 @@ class GroupConfig(_Model):
     this group may not fill, kept free for the groups above it (default: 0.05 for each
     group above it, at most 0.10; the top group 0: :meth:`Config.headroom_of`).
 
-    Latency objectives (:mod:`qos.objectives`; measured and reported, not enforced):
+    Latency objectives (:mod:`qos.objectives`):
     ``ttft_target_s``, time to first token from arrival (queue included), and
     ``tpot_target_s``, time per output token, each met by ``ttft_percentile`` /
     ``tpot_percentile`` percent of the group's requests (default 95, in (0, 100)). A
     percentile without its target is refused. No target: nothing is measured. While a
     group with objectives misses one, the groups below it give way in steps
-    (``objectives.protection``, :mod:`qos.objective_protection`).
+    (``objectives.protection``, :mod:`qos.objective_protection`); with protection on, a
+    first token later than ``ttft_target_s`` after dispatch also makes the groups below
+    leave more of that engine free (:meth:`qos.capacity.RecentPeaks.late`).
 
     ``on_miss`` (``serve``): ``reject`` refuses at once (``429 objective_unreachable``) a
     request that cannot meet the group's TTFT objective given the group's requests
@@ -571,7 +573,7 @@ class Config(_Model):
         }
         return SchedulerPolicy(
             groups=tuple(
-                GroupPolicy(g.name, g.max_queue, g.min_share, g.rate_limit.to_policy(), g.default_user_weight, self.headroom_of(i))
+                GroupPolicy(g.name, g.max_queue, g.min_share, g.rate_limit.to_policy(), g.default_user_weight, self.headroom_of(i), g.ttft_target_s if self.objectives.protection.enabled else None)
                 for i, g in enumerate(self.groups)
             ),
             default_group=self.default_group,

@@ -8,6 +8,12 @@ when it ends. Read once per control step with :meth:`sample`:
 
 * **time to first token** (TTFT): from dispatch (the ticket's ``admitted_at``) to the
   first output token, one sample per request whose first token came since the last step;
+  of those, the first tokens of requests whose class has a TTFT objective
+  (:attr:`qos.Ticket.ttft_target_s`), how many came later than that target, and the
+  highest of their classes: the engine runs more than that class can afford, and the
+  classes below it leave more of it free (:meth:`qos.capacity.RecentPeaks.late`). A
+  preempted request's later parts are not counted: its client's first token was the
+  first part's;
 * **time per output token** (TPOT) of a stream over the last step: the time from its last
   token before the step to its last token in it, divided by the tokens it produced in
   between, for a stream that was there for the whole step (a burst of tokens delivered
@@ -60,6 +66,12 @@ class MeterSample:
         awaiting: streams placed here that have not shown their first token yet (only
             streams say when their first token comes; a non-streaming request is silent
             until it ends).
+        objective_first: first tokens since the last step of requests whose class has
+            a TTFT objective.
+        late_first: of those, how many came later than the objective's target after
+            dispatch.
+        late_level: the smallest headroom (:attr:`qos.Ticket.headroom`: the highest
+            class) among those late ones, or ``None``.
     """
 
     tpot_s: float | None
@@ -67,12 +79,15 @@ class MeterSample:
     ttft_s: tuple[float, ...]
     answered: int = 0
     awaiting: int = 0
+    objective_first: int = 0
+    late_first: int = 0
+    late_level: float | None = None
 
 
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting", "_objective", "_late", "_late_level")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
@@ -81,6 +96,9 @@ class EngineMeter:
         self._ttft: list[float] = []
         self._sampled_at: float | None = None
         self._ended: list[float] = []  # per-token times of streams that ended since the last step
+        self._objective = 0  # first tokens of requests with a TTFT objective, since the last step
+        self._late = 0  # of those, later than the objective after dispatch
+        self._late_level: float | None = None  # the highest class among them (its headroom)
 
     def awaiting(self, ticket: Any) -> None:
         """``ticket``, placed here, is a stream: its first token is awaited."""
@@ -96,8 +114,18 @@ class EngineMeter:
             self._answered += 1
             self._awaiting.discard(ticket)
             admitted = ticket.admitted_at
-            if admitted is not None and len(self._ttft) < 4096:
-                self._ttft.append(max(0.0, now - admitted))
+            if admitted is not None:
+                ttft = max(0.0, now - admitted)
+                if len(self._ttft) < 4096:
+                    self._ttft.append(ttft)
+                target = ticket.ttft_target_s
+                if target is not None and not ticket.preemptions:
+                    self._objective += 1
+                    if ttft > target:
+                        self._late += 1
+                        level = ticket.headroom
+                        if self._late_level is None or level < self._late_level:
+                            self._late_level = level
             self._streams[ticket] = _Stream(output_tokens, now, output_tokens, now)
         elif output_tokens > st.n:
             st.n, st.last_at = output_tokens, now
@@ -140,14 +168,16 @@ class EngineMeter:
         self._ended = []
         ttft, self._ttft = tuple(self._ttft), []
         answered, self._answered = self._answered, 0
+        objective, late, self._objective, self._late = self._objective, self._late, 0, 0
+        late_level, self._late_level = self._late_level, None
         self._awaiting = {t for t in self._awaiting if t.state is TicketState.ADMITTED}  # an end never reported
         awaiting = len(self._awaiting)
         if not rates:
-            return MeterSample(None, 0, ttft, answered, awaiting)
+            return MeterSample(None, 0, ttft, answered, awaiting, objective, late, late_level)
         rates.sort()
         mid = len(rates) // 2
         median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
-        return MeterSample(median, len(rates), ttft, answered, awaiting)
+        return MeterSample(median, len(rates), ttft, answered, awaiting, objective, late, late_level)
 
     @property
     def streams(self) -> int:

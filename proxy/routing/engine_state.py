@@ -218,6 +218,17 @@ class EngineState:
     def _room(self, capacity: int, headroom: float) -> int:
         return room_for(capacity, headroom, self.peaks.vacant(headroom, self.held) if headroom > 0.0 else 0)
 
+    def note_late(self, now: float, level: float | None) -> None:
+        """One control step's late first tokens here (:meth:`qos.capacity.RecentPeaks.late`):
+        ``level``, the highest class among them (its headroom), or ``None``. Called
+        before :meth:`qos.capacity.RecentPeaks.roll`."""
+        cap = self.capacity
+        peaks = self.peaks
+        draining = level is not None and any(
+            k > room_for(cap, lv, peaks.above(lv)) for lv, k in self.held.items() if lv > level
+        )  # fmt: skip
+        peaks.late(now, level, cap, draining)
+
     def occupied(self) -> int:
         """Requests in flight here as the classes' headroom counts them: each class's up
         to its own room (:meth:`room_for` at its headroom), the top class's

@@ -185,6 +185,7 @@ class EnginePoller:
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
+        engine.note_late(self._clock(), sample.late_level)  # a class's first tokens late here: the classes below leave more free
         engine.peaks.roll(self._clock(), engine.held)  # the classes' recent peaks, for their headroom
         if engine.capacity > before:
             self._on_room(engine)
