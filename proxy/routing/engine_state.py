@@ -278,7 +278,9 @@ class EngineState:
         ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
         ``ejections_refused`` (passive ejections the pool's floor refused),
         ``ejection_held`` (one is being refused now), ``failures``, ``probe_in_s``,
-        ``last_error``."""
+        ``last_error``, ``late_kept`` (places the classes below a class whose first tokens
+        came late here keep for it: :meth:`qos.capacity.RecentPeaks.late`) and
+        ``late_headroom`` (that class's headroom, or ``None``)."""
         h = self.health
         c = self.control
         return {
@@ -307,6 +309,8 @@ class EngineState:
             "headroom": round(self.headroom(placed=0), 4),
             "weight": self.spec.weight,
             "routed": self.routed,
+            "late_kept": self.peaks.late_kept,
+            "late_headroom": self.peaks.late_level,
             "ejections": h.ejections,
             "ejections_refused": h.ejections_refused,
             "ejection_held": h.ejection_held,

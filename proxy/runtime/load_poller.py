@@ -162,7 +162,8 @@ class EnginePoller:
         """One step of the engine's capacity controller (:mod:`qos.capacity_control`) from
         ``fresh`` (a reading taken in this step, else ``None``: an old reading is not
         counted twice) and the latency the proxy measured there since the last step;
-        dispatch when the capacity grew."""
+        dispatch when the capacity grew, or the classes below a late one gave places
+        back (:meth:`qos.capacity.RecentPeaks.late`)."""
         engine = self.engine
         before = engine.capacity
         sample = engine.meter.sample(self._clock())
@@ -185,10 +186,11 @@ class EnginePoller:
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
+        kept = engine.peaks.late_kept
         engine.note_late(self._clock(), sample.late_level)  # a class's first tokens late here: the classes below leave more free
         engine.peaks.roll(self._clock(), engine.held)  # the classes' recent peaks, for their headroom
-        if engine.capacity > before:
-            self._on_room(engine)
+        if engine.capacity > before or engine.peaks.late_kept < kept:
+            self._on_room(engine)  # room grew: dispatch the pool's queue
 
     async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
         """One ``GET`` of the load source.
