@@ -476,6 +476,24 @@ def test_a_late_first_token_makes_the_classes_below_leave_more_of_the_engine_fre
     assert e.room_for(0.05) == 38 and e.peaks.late_level is None
 
 
+def test_a_control_step_dispatches_what_waits_when_a_room_grew():
+    """The places kept for a late class are given back at a control step, not at a
+    release: the step dispatches the pool's queue while requests wait for it, and only
+    then (nothing to do otherwise)."""
+    from proxy.runtime.load_poller import EnginePoller
+
+    r = router(eng(1, max_inflight=40))
+    (e,) = r.engines.values()
+    calls, waiting = [], [True]
+    poller = EnginePoller(e, calls.append, {}, clock=lambda: 100.0, demand=lambda: waiting[0])
+    e.peaks.late_kept, e.peaks.late_level = 5, 0.0
+    poller._control(None, e.spec.upstream.load_signal)  # no late first token for the window: one place back
+    assert e.peaks.late_kept == 4 and calls == [e]
+    waiting[0] = False
+    poller._control(None, e.spec.upstream.load_signal)
+    assert e.peaks.late_kept == 3 and calls == [e]  # nothing waits: no dispatch
+
+
 def _peaked(capacity: int, ran: int, still: int):
     """A one-engine pool of ``capacity`` where platinum (headroom 0) ran ``ran`` requests
     at once in the load poller's last step and runs ``still`` of them now."""

@@ -39,8 +39,9 @@ class EnginePoller:
     Args:
         engine: the engine (:class:`proxy.routing.engine_state.EngineState`); its ``spec.upstream`` is
             read at every poll, so a hot reload of its settings applies at the next one.
-        on_room: called with the engine when its limit was raised or lifted (the proxy
-            dispatches its pool's queue).
+        on_room: called with the engine when its limit was raised or lifted, and after
+            each control step while requests wait for its pool (the proxy dispatches its
+            pool's queue).
         totals: the proxy-wide poll counts to add this engine's to.
         clock: monotonic clock (seconds).
         demand: whether requests wait in the proxy for the engine's pool now (the
@@ -162,8 +163,8 @@ class EnginePoller:
         """One step of the engine's capacity controller (:mod:`qos.capacity_control`) from
         ``fresh`` (a reading taken in this step, else ``None``: an old reading is not
         counted twice) and the latency the proxy measured there since the last step;
-        dispatch when the capacity grew, or the classes below a late one gave places
-        back (:meth:`qos.capacity.RecentPeaks.late`)."""
+        dispatch when the capacity grew, or while requests wait for the pool (a class's
+        room may have grown: :class:`qos.capacity.RecentPeaks`)."""
         engine = self.engine
         before = engine.capacity
         sample = engine.meter.sample(self._clock())
@@ -186,11 +187,12 @@ class EnginePoller:
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
-        kept = engine.peaks.late_kept
         engine.note_late(self._clock(), sample.late_level)  # a class's first tokens late here: the classes below leave more free
         engine.peaks.roll(self._clock(), engine.held)  # the classes' recent peaks, for their headroom
-        if engine.capacity > before or engine.peaks.late_kept < kept:
-            self._on_room(engine)  # room grew: dispatch the pool's queue
+        if engine.capacity > before or self._demand():
+            # the rooms are worked out anew at a step (the capacity, the classes' recent
+            # peaks, the places kept for a late class): what waits may fit now
+            self._on_room(engine)
 
     async def poll(self, upstream: UpstreamConfig, source: Source) -> Reading:
         """One ``GET`` of the load source.
