@@ -15,10 +15,8 @@ engine's slots and tokens this process may use when several processes share it
 
 from __future__ import annotations
 
-import math
-
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from .policy import SchedulerPolicy
@@ -126,13 +124,16 @@ class RecentPeaks:
     **Late first tokens** (:meth:`late`, once per control step before :meth:`roll`): a
     class whose first token came later than its objective after dispatch, on this
     engine, is late *there*: the engine runs more than that class can afford. The
-    classes below it then keep :data:`LATE_STEP` of the capacity more for the classes
-    above, at each step with a late first token once their excess over the room they
-    had has drained (one step per round trip), and give a place back per step once no
-    first token was late for ``window_s``. It counts in the measured part of
-    :func:`kept_for_above`, so with the recent peaks it keeps at most
-    :data:`MAX_KEPT_SHARE` of the engine. The late class and those above it are not
-    limited by it: a class whose own load fills the engine would only wait for itself.
+    classes below it then keep :data:`LATE_STEP` of the capacity more for it, at each
+    step with a late first token of it once their excess over the room they had has
+    drained (one step per round trip), and give one of its places back per step once
+    none of its first tokens was late for ``window_s``. Each late class's places are
+    its own; a class keeps the most that any late class above it asks. They count in
+    the measured part of :func:`kept_for_above`, so with the recent peaks they keep at
+    most :data:`MAX_KEPT_SHARE` of the engine. The late class and those above it are not
+    limited by its places: a class whose own load fills the engine would only wait for
+    itself. Levels are headrooms, so a class at the same headroom as the late one (the
+    default's cap, or ``headroom: 0`` set on a lower class) keeps nothing for it.
     Measured on vLLM's CPU build on an AVX2 host (objectives bench, 2x overload): with the
     capacity at 20-33, bronze and gold filled it, and platinum's first tokens took 0.8 s
     after dispatch at the median against its 0.5 s objective; a cut of the whole
@@ -140,7 +141,7 @@ class RecentPeaks:
     at 5x and 10x.
     """
 
-    __slots__ = ("window_s", "fixed_levels", "_step", "_steps", "_max", "_above", "late_level", "late_kept", "_late_at")
+    __slots__ = ("window_s", "fixed_levels", "_step", "_steps", "_max", "_above", "_late")
 
     def __init__(self, window_s: float = PEAK_WINDOW_S) -> None:
         self.window_s = window_s
@@ -152,9 +153,7 @@ class RecentPeaks:
         self._steps: deque[tuple[float, dict[float, int]]] = deque()  # (ended at, peaks) of the steps in the window
         self._max: dict[float, int] = {}  # over the ended steps in the window
         self._above: dict[float, int] = {}  # above(level), kept until the next roll (asked on every placement)
-        self.late_level: float | None = None  # the highest class whose first tokens came late here (late)
-        self.late_kept = 0  # the places the classes below it keep for it
-        self._late_at = -math.inf
+        self._late: dict[float, list] = {}  # late class's headroom -> [places kept for it, its last late first token]
 
     def note(self, level: float, count: int) -> None:
         """A request of ``level`` was placed; ``count`` of that level run now."""
@@ -177,26 +176,45 @@ class RecentPeaks:
         self._max = top
         self._above = {}
 
-    def late(self, now: float, level: float | None, capacity: int, draining: bool) -> None:
-        """One control step's late first tokens (class docstring): ``level``, the
-        smallest headroom (highest class) among the first tokens that came later than
-        their objective after dispatch since the last step, or ``None``; ``capacity``,
-        the engine's now; ``draining``, whether the classes below that level still run
-        more than their room (the last step's effect is not in yet: no further step)."""
+    def late(self, now: float, levels: Collection[float], capacity: int, draining: Callable[[float], bool]) -> None:
+        """One control step's late first tokens (class docstring): ``levels``, the
+        headrooms of the classes with a first token later than their objective after
+        dispatch since the last step (empty: none); ``capacity``, the engine's now;
+        ``draining(level)``, whether the classes below ``level`` still run more than
+        their room (the last step's effect is not in yet: no further step for it). Each
+        late class's places are kept, grown and given back on their own."""
         self._above = {}
-        if level is not None:
-            self._late_at = now
-            self.late_level = level if self.late_level is None else min(level, self.late_level)
-            if not draining:
-                self.late_kept = min(int(MAX_KEPT_SHARE * capacity), self.late_kept + max(1, int(LATE_STEP * capacity)))
-        elif self.late_kept > 0 and now - self._late_at >= self.window_s:
-            self.late_kept -= 1
-        if self.late_kept <= 0 and now - self._late_at >= self.window_s:
-            self.late_kept, self.late_level = 0, None
+        most = int(MAX_KEPT_SHARE * capacity)
+        for level in levels:
+            entry = self._late.get(level)
+            if entry is None:
+                entry = self._late[level] = [0, now]
+            entry[1] = now
+            if not draining(level):
+                entry[0] += max(1, int(LATE_STEP * capacity))
+                self._above = {}
+        for level, entry in list(self._late.items()):
+            entry[0] = min(entry[0], most)  # never more than half, however the capacity moved
+            if now - entry[1] >= self.window_s:
+                entry[0] -= 1
+            if entry[0] <= 0 and now - entry[1] >= self.window_s:
+                del self._late[level]
+        self._above = {}
+
+    def forget_late(self) -> None:
+        """Drop every late class's places (the classes' levels changed: a reload)."""
+        self._late.clear()
+        self._above = {}
+
+    def late_kept(self) -> dict[float, int]:
+        """Per late class (its headroom), the places the classes below it keep for it
+        now (:meth:`late`; a copy)."""
+        return {level: entry[0] for level, entry in self._late.items()}
 
     def _late_for(self, level: float) -> int:
-        late = self.late_level
-        return self.late_kept if late is not None and level > late else 0
+        """Places a class at ``level`` keeps for the late classes above it: the most any
+        of them asks (their places overlap: each is room for the classes above)."""
+        return max((e[0] for lv, e in self._late.items() if lv < level), default=0) if self._late else 0
 
     def above(self, level: float) -> int:
         """The sum of the recent peaks of the levels below ``level`` (the classes above

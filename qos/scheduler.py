@@ -192,6 +192,7 @@ class Scheduler:
         self.queued -= 1
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = self._clock()
+        ticket.ttft_target_s = self.policy.groups[self._rank[queue.name]].ttft_target_s  # its class's now (a reload may have moved it)
         self.waits.drain.started(ticket.admitted_at, self.queued)
         self.inflight.add(ticket)
         self._inflight_by_group[ticket.group] = self._inflight_by_group.get(ticket.group, 0) + 1
@@ -339,7 +340,7 @@ class Scheduler:
         self._seq += 1
         ticket = Ticket(
             seq=self._seq, user_id=user_id, group=up.group, prompt_tokens=prompt, max_output_tokens=out,
-            enqueued_at=now, deadline=now + policy.queue_timeout_s, choices=choices, ttft_target_s=gpol.ttft_target_s, headroom=gpol.headroom,
+            enqueued_at=now, deadline=now + policy.queue_timeout_s, choices=choices,
         )  # fmt: skip
         ticket.rate = self.rate_limiter.reserve(user_id, up.limits, gpol.name, gpol.limits, reserved, now)
         acct = self._account(user_id, group, up, now)

@@ -106,9 +106,9 @@ class Ticket:
             Objective protection never sheds it (:func:`qos.objective_protection.shed_victims`):
             refusing it would cut a stream its client is reading.
         ttft_target_s: its class's time-to-first-token objective (seconds) when it was
-            submitted (:attr:`qos.GroupPolicy.ttft_target_s`), or ``None``.
-        headroom: its class's headroom when it was submitted
-            (:attr:`qos.GroupPolicy.headroom`: the level its engine counts it at).
+            dispatched (:attr:`qos.GroupPolicy.ttft_target_s`), or ``None``.
+        headroom: the headroom level its engine holds it at, set by the capacity model
+            that places it (its class's :attr:`qos.GroupPolicy.headroom` then).
     """
 
     seq: int

@@ -489,11 +489,11 @@ def test_after_idle_the_load_uses_the_capacity_found_by_doubling_per_step():
 
 
 class _T:
-    def __init__(self, admitted_at=0.0, ttft_target_s=None, preemptions=0, headroom=0.0):
+    def __init__(self, admitted_at=0.0, ttft_target_s=None, resuming=False, headroom=0.0):
         self.admitted_at = admitted_at
         self.state = TicketState.ADMITTED
         self.ttft_target_s = ttft_target_s
-        self.preemptions = preemptions
+        self.resuming = resuming
         self.headroom = headroom
 
 
@@ -631,23 +631,26 @@ def test_meter_counts_answers_first_tokens_and_ends_without_one():
 def test_meter_counts_first_tokens_later_than_their_objective():
     """The input of the classes' late headroom (qos.capacity.RecentPeaks.late): first
     tokens of requests with a TTFT objective, timed from dispatch, how many came later
-    than it, and the highest class among the late ones; a request without an objective,
-    and a preempted request's later part (its client's first token was the first
-    part's), are not counted."""
+    than it, and the classes (headrooms) of the late ones. Not judged: a request without
+    an objective, a resumed stream's later part (its client's first token was the first
+    part's), and a request moved here from another engine (its time since dispatch holds
+    that engine's failure)."""
     m = EngineMeter()
     fast = _T(1.0, 0.5, headroom=0.0)
     late_gold, late_bronze = _T(1.0, 2.0, headroom=0.025), _T(1.0, 2.0, headroom=0.05)
-    free, resumed = _T(1.0), _T(1.0, 0.5, preemptions=1)
+    free, resumed, moved = _T(1.0), _T(1.0, 0.5, resuming=True), _T(1.0, 0.5)
+    m.moved(moved)
     m.progress(fast, 1, 1.3)
     m.progress(late_bronze, 1, 3.5)
     m.progress(late_gold, 1, 3.6)
     m.progress(free, 1, 9.0)  # no objective: timed, not judged
     m.progress(resumed, 1, 9.0)
+    m.progress(moved, 1, 9.0)
     m.progress(late_gold, 4, 3.9)  # later tokens are no first token
     s = m.sample(4.0)
-    assert (s.objective_first, s.late_first, s.late_level) == (3, 2, 0.025) and len(s.ttft_s) == 5
+    assert (s.objective_first, s.late_first, s.late_levels) == (3, 2, {0.025, 0.05}) and len(s.ttft_s) == 6
     s = m.sample(4.5)
-    assert (s.objective_first, s.late_first, s.late_level) == (0, 0, None)
+    assert (s.objective_first, s.late_first, s.late_levels) == (0, 0, frozenset())
 
 
 def test_meter_forgets_ended_requests():

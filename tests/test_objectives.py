@@ -181,16 +181,22 @@ def test_objectives_in_the_config_with_their_defaults():
 
 
 def test_a_groups_ttft_objective_reaches_its_tickets_while_protection_is_on():
-    """What the capacity controller's rule 2b judges first tokens by: each ticket carries
-    its class's TTFT target (none without one, none with protection off)."""
+    """What the late first tokens are judged by (qos.capacity.RecentPeaks.late): each
+    ticket carries its class's TTFT target as of its dispatch (none without one, none
+    with protection off; a reload that moves its user takes the new class's)."""
     from qos import Scheduler
 
-    groups = [{"name": "a", "ttft_target_s": 0.5}, {"name": "b"}]
-    on = Config.model_validate({"default_group": "b", "groups": groups})
+    groups = [{"name": "a", "ttft_target_s": 0.5}, {"name": "b", "ttft_target_s": 9.0}, {"name": "c"}]
+    on = Config.model_validate({"default_group": "c", "groups": groups, "admission": {"max_inflight": 2}})
     s = Scheduler(on.to_policy())
     assert s.submit("u", "a", 10, 10).ttft_target_s == 0.5
-    assert s.submit("v", "b", 10, 10).ttft_target_s is None
-    off = Config.model_validate({"default_group": "b", "groups": groups, "objectives": {"protection": {"enabled": False}}})
+    assert s.submit("v", "c", 10, 10).ttft_target_s is None
+    waiting = s.submit("w", "a", 10, 10)  # queued: no room
+    moved = {"default_group": "c", "groups": [groups[0], {**groups[1], "users": [{"id": "w"}]}, groups[2]], "admission": {"max_inflight": 2}}
+    s.update_policy(Config.model_validate(moved).to_policy())
+    s.release(next(t for t in s.inflight if t.user_id == "v"))  # room: w goes, now in b
+    assert waiting.group == "b" and waiting.ttft_target_s == 9.0
+    off = Config.model_validate({"default_group": "c", "groups": groups, "objectives": {"protection": {"enabled": False}}})
     assert Scheduler(off.to_policy()).submit("u", "a", 10, 10).ttft_target_s is None
 
 

@@ -16,7 +16,7 @@ from proxy.config.pools import HealthConfig, PoolSpec
 from proxy.routing.placement import affinity_key, rendezvous_order
 from proxy.routing.pool_capacity import PoolCapacity
 from proxy.routing.router import NoEngineFits, PoolRouter
-from qos import Ticket
+from qos import GroupPolicy, SchedulerPolicy, Ticket
 from tests.conftest import base_config
 
 _seq = itertools.count(1)
@@ -442,38 +442,67 @@ def test_a_cut_below_what_a_lower_class_runs_keeps_the_room_above_it():
 
 def test_a_late_first_token_makes_the_classes_below_leave_more_of_the_engine_free():
     """Platinum's first token came later than its objective here: bronze and gold (the
-    classes below) keep a tenth of the engine more for the classes above at each such
-    step once their excess has drained, at most half of it in all; platinum itself is
-    not limited; a window without a late first token gives the places back one a step."""
+    classes below) keep a tenth of the engine more for it at each such step once their
+    excess has drained, at most half of it in all; platinum itself is not limited; a
+    window without a late first token of platinum gives its places back one a step."""
     r = router(eng(1, max_inflight=40))
     (e,) = r.engines.values()
     bronze = [ticket() for _ in range(38)]  # 40 - floor(0.05 * 40)
     assert all(r.reserve(t, headroom=0.05) is e for t in bronze) and r.choose(10, headroom=0.05) is None
     for t in bronze[-4:]:
         r.release(t)
-    e.note_late(1.0, 0.0)  # platinum (headroom 0) late: 4 more kept
+    e.note_late(1.0, {0.0})  # platinum (headroom 0) late: 4 more kept
     assert e.room_for(0.05) == 34 and e.room_for(0.025) == 35 and e.room_for(0.0) == 40
     assert r.choose(10, headroom=0.05) is None  # bronze runs 34: at its room
     assert r.choose(10) is e  # platinum places at once
-    e.note_late(1.5, 0.0)
+    e.note_late(1.5, {0.0})
     assert e.room_for(0.05) == 30  # bronze ran no more than its room: another step
-    e.note_late(2.0, 0.0)
+    e.note_late(2.0, {0.0})
     assert e.room_for(0.05) == 30  # bronze runs 34 against 30: draining, no further step
     for t in bronze[:20]:
         r.release(t)  # bronze's streams end: 14 run
     for i in range(10):
-        e.note_late(2.5 + i * 0.5, 0.0)
+        e.note_late(2.5 + i * 0.5, {0.0})
     assert e.room_for(0.05) == 20  # at most half the engine kept, the fixed fraction inside it
-    e.note_late(8.0, 0.025)  # gold late too: bronze keeps for gold, platinum's level stays
-    assert e.peaks.late_level == 0.0
     for i in range(20):  # 10 s without a late first token, then a place a step
-        e.note_late(9.0 + i * 0.5, None)
+        e.note_late(7.5 + i * 0.5, ())
     assert e.room_for(0.05) == 20
-    e.note_late(19.0, None)
-    assert e.room_for(0.05) == 21
+    e.note_late(17.5, ())
+    e.note_late(18.0, ())
+    assert e.room_for(0.05) == 21 and e.status()["late_kept"] == {"0.0": 17}
     for i in range(40):
-        e.note_late(19.5 + i * 0.5, None)
-    assert e.room_for(0.05) == 38 and e.peaks.late_level is None
+        e.note_late(18.5 + i * 0.5, ())
+    assert e.room_for(0.05) == 38 and e.peaks.late_kept() == {}
+
+
+def test_each_late_class_keeps_its_own_places():
+    """Gold's lateness is kept for gold: it limits bronze, never gold itself, and does not
+    hold platinum's places; platinum's places are given back on platinum's own clock."""
+    r = router(eng(1, max_inflight=40))
+    (e,) = r.engines.values()
+    e.note_late(0.0, {0.0})  # platinum late once: 4 kept by gold and bronze
+    for i in range(1, 41):  # gold late every step for 20 s
+        e.note_late(i * 0.5, {0.025})
+    assert e.peaks.late_kept()[0.025] == 20  # bronze keeps half the engine for gold
+    assert e.room_for(0.025) == 40 - 1 - 0  # gold keeps for platinum only: platinum's places are back
+    assert 0.0 not in e.peaks.late_kept()
+    assert e.room_for(0.05) == 20 and e.room_for(0.0) == 40
+    e.note_late(21.0, {0.0})  # platinum late again: a tenth, not a jump to gold's half
+    assert e.room_for(0.025) == 40 - 1 - 4
+
+
+def test_a_reload_that_moves_the_classes_levels_forgets_their_late_places():
+    r = router(eng(1, max_inflight=40))
+    (e,) = r.engines.values()
+    cap = PoolCapacity(r)
+    policy = lambda h: SchedulerPolicy(groups=(GroupPolicy("platinum"), GroupPolicy("gold", headroom=h)), default_group="gold")  # noqa: E731
+    cap.configure(policy(0.025))
+    e.note_late(0.0, {0.025})
+    assert e.peaks.late_kept() == {0.025: 4}
+    cap.configure(policy(0.025))  # the same levels: kept
+    assert e.peaks.late_kept() == {0.025: 4}
+    cap.configure(policy(0.05))
+    assert e.peaks.late_kept() == {}
 
 
 def test_a_control_step_dispatches_what_waits_when_a_room_grew():
@@ -486,12 +515,13 @@ def test_a_control_step_dispatches_what_waits_when_a_room_grew():
     (e,) = r.engines.values()
     calls, waiting = [], [True]
     poller = EnginePoller(e, calls.append, {}, clock=lambda: 100.0, demand=lambda: waiting[0])
-    e.peaks.late_kept, e.peaks.late_level = 5, 0.0
+    for _ in range(5):
+        e.note_late(0.0, {0.0})  # platinum late: 20 kept
     poller._control(None, e.spec.upstream.load_signal)  # no late first token for the window: one place back
-    assert e.peaks.late_kept == 4 and calls == [e]
+    assert e.peaks.late_kept() == {0.0: 19} and calls == [e]
     waiting[0] = False
     poller._control(None, e.spec.upstream.load_signal)
-    assert e.peaks.late_kept == 3 and calls == [e]  # nothing waits: no dispatch
+    assert e.peaks.late_kept() == {0.0: 18} and calls == [e]  # nothing waits: no dispatch
 
 
 def _peaked(capacity: int, ran: int, still: int):

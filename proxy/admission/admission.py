@@ -82,6 +82,8 @@ def _moved_meter(ticket: Ticket, old: EngineState | None, new: EngineState | Non
     clocked by first tokens while streams await them)."""
     if old is not None and old is not new:
         old.meter.finished(ticket)
+        if new is not None:
+            new.meter.moved(ticket)  # its time since dispatch includes the failure on old: not judged
     if new is not None and new is not old and ticket.stream:
         new.meter.awaiting(ticket)
 

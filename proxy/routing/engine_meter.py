@@ -10,10 +10,11 @@ when it ends. Read once per control step with :meth:`sample`:
   first output token, one sample per request whose first token came since the last step;
   of those, the first tokens of requests whose class has a TTFT objective
   (:attr:`qos.Ticket.ttft_target_s`), how many came later than that target, and the
-  highest of their classes: the engine runs more than that class can afford, and the
-  classes below it leave more of it free (:meth:`qos.capacity.RecentPeaks.late`). A
-  preempted request's later parts are not counted: its client's first token was the
-  first part's;
+  classes they were late for: the engine runs more than those classes can afford, and
+  the classes below them leave more of it free (:meth:`qos.capacity.RecentPeaks.late`).
+  Not judged: a resumed stream's later parts (its client's first token came in the
+  first part) and a request moved here from another engine before it reached it (its
+  time since dispatch includes the other engine's failure);
 * **time per output token** (TPOT) of a stream over the last step: the time from its last
   token before the step to its last token in it, divided by the tokens it produced in
   between, for a stream that was there for the whole step (a burst of tokens delivered
@@ -70,8 +71,8 @@ class MeterSample:
             a TTFT objective.
         late_first: of those, how many came later than the objective's target after
             dispatch.
-        late_level: the smallest headroom (:attr:`qos.Ticket.headroom`: the highest
-            class) among those late ones, or ``None``.
+        late_levels: the headrooms (:attr:`qos.Ticket.headroom`) of the classes of those
+            late ones.
     """
 
     tpot_s: float | None
@@ -81,13 +82,13 @@ class MeterSample:
     awaiting: int = 0
     objective_first: int = 0
     late_first: int = 0
-    late_level: float | None = None
+    late_levels: frozenset[float] = frozenset()
 
 
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting", "_objective", "_late", "_late_level")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting", "_objective", "_late", "_late_levels", "_unjudged")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
@@ -98,7 +99,14 @@ class EngineMeter:
         self._ended: list[float] = []  # per-token times of streams that ended since the last step
         self._objective = 0  # first tokens of requests with a TTFT objective, since the last step
         self._late = 0  # of those, later than the objective after dispatch
-        self._late_level: float | None = None  # the highest class among them (its headroom)
+        self._late_levels: set[float] = set()  # their classes (headrooms)
+        self._unjudged: set[Any] = set()  # moved here from another engine before a first token: not judged
+
+    def moved(self, ticket: Any) -> None:
+        """``ticket`` was moved here from another engine before it reached that one (a
+        reroute): its first token here is timed, not judged against its objective."""
+        if ticket not in self._streams:
+            self._unjudged.add(ticket)
 
     def awaiting(self, ticket: Any) -> None:
         """``ticket``, placed here, is a stream: its first token is awaited."""
@@ -119,13 +127,12 @@ class EngineMeter:
                 if len(self._ttft) < 4096:
                     self._ttft.append(ttft)
                 target = ticket.ttft_target_s
-                if target is not None and not ticket.preemptions:
+                if target is not None and not ticket.resuming and not (self._unjudged and ticket in self._unjudged):
                     self._objective += 1
                     if ttft > target:
                         self._late += 1
-                        level = ticket.headroom
-                        if self._late_level is None or level < self._late_level:
-                            self._late_level = level
+                        self._late_levels.add(ticket.headroom)
+            self._unjudged.discard(ticket)
             self._streams[ticket] = _Stream(output_tokens, now, output_tokens, now)
         elif output_tokens > st.n:
             st.n, st.last_at = output_tokens, now
@@ -138,6 +145,7 @@ class EngineMeter:
         latency bound's baseline, was never seen before the first load came)."""
         st = self._streams.pop(ticket, None)
         self._awaiting.discard(ticket)
+        self._unjudged.discard(ticket)
         if st is None:
             self._answered += 1  # ended without a first token: a non-streaming answer, a failure
         elif st.stepped and st.n > st.n_step and len(self._ended) < 4096:
@@ -169,15 +177,17 @@ class EngineMeter:
         ttft, self._ttft = tuple(self._ttft), []
         answered, self._answered = self._answered, 0
         objective, late, self._objective, self._late = self._objective, self._late, 0, 0
-        late_level, self._late_level = self._late_level, None
+        late_levels, self._late_levels = frozenset(self._late_levels), set()
+        if self._unjudged:
+            self._unjudged = {t for t in self._unjudged if t.state is TicketState.ADMITTED}  # an end never reported
         self._awaiting = {t for t in self._awaiting if t.state is TicketState.ADMITTED}  # an end never reported
         awaiting = len(self._awaiting)
         if not rates:
-            return MeterSample(None, 0, ttft, answered, awaiting, objective, late, late_level)
+            return MeterSample(None, 0, ttft, answered, awaiting, objective, late, late_levels)
         rates.sort()
         mid = len(rates) // 2
         median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
-        return MeterSample(median, len(rates), ttft, answered, awaiting, objective, late, late_level)
+        return MeterSample(median, len(rates), ttft, answered, awaiting, objective, late, late_levels)
 
     @property
     def streams(self) -> int:

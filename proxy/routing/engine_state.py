@@ -48,7 +48,7 @@ Definitions (one engine ``e``, a request reserving ``t`` tokens, prompt + max ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 from qos.capacity import RecentPeaks, occupied, room_for
 from qos.capacity_control import CapacityController
@@ -218,16 +218,18 @@ class EngineState:
     def _room(self, capacity: int, headroom: float) -> int:
         return room_for(capacity, headroom, self.peaks.vacant(headroom, self.held) if headroom > 0.0 else 0)
 
-    def note_late(self, now: float, level: float | None) -> None:
+    def note_late(self, now: float, levels: Collection[float]) -> None:
         """One control step's late first tokens here (:meth:`qos.capacity.RecentPeaks.late`):
-        ``level``, the highest class among them (its headroom), or ``None``. Called
-        before :meth:`qos.capacity.RecentPeaks.roll`."""
+        ``levels``, the headrooms of the classes with a late first token (empty: none).
+        Called before :meth:`qos.capacity.RecentPeaks.roll`."""
         cap = self.capacity
         peaks = self.peaks
-        draining = level is not None and any(
-            k > room_for(cap, lv, peaks.above(lv)) for lv, k in self.held.items() if lv > level
-        )  # fmt: skip
-        peaks.late(now, level, cap, draining)
+        held = self.held
+
+        def draining(level: float) -> bool:
+            return any(k > room_for(cap, lv, peaks.above(lv)) for lv, k in held.items() if lv > level)
+
+        peaks.late(now, levels, cap, draining)
 
     def occupied(self) -> int:
         """Requests in flight here as the classes' headroom counts them: each class's up
@@ -278,9 +280,9 @@ class EngineState:
         ``max_inflight_tokens``, ``headroom``, ``weight``, ``routed``, ``ejections``,
         ``ejections_refused`` (passive ejections the pool's floor refused),
         ``ejection_held`` (one is being refused now), ``failures``, ``probe_in_s``,
-        ``last_error``, ``late_kept`` (places the classes below a class whose first tokens
-        came late here keep for it: :meth:`qos.capacity.RecentPeaks.late`) and
-        ``late_headroom`` (that class's headroom, or ``None``)."""
+        ``last_error``, and ``late_kept`` (per class whose first tokens came late here, by
+        its headroom as a string, the places the classes below it keep for it:
+        :meth:`qos.capacity.RecentPeaks.late`)."""
         h = self.health
         c = self.control
         return {
@@ -309,8 +311,7 @@ class EngineState:
             "headroom": round(self.headroom(placed=0), 4),
             "weight": self.spec.weight,
             "routed": self.routed,
-            "late_kept": self.peaks.late_kept,
-            "late_headroom": self.peaks.late_level,
+            "late_kept": {str(level): n for level, n in self.peaks.late_kept().items()},
             "ejections": h.ejections,
             "ejections_refused": h.ejections_refused,
             "ejection_held": h.ejection_held,

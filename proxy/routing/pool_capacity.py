@@ -52,7 +52,11 @@ class PoolCapacity:
         service promised while they are busy, and the room their load came back to would
         hold it below the floor whenever they are (measured: bronze with ``min_share``
         0.3 got 1 % of an engine of 2 that gold kept full)."""
-        self._headroom = {g.name: g.headroom for g in policy.groups if g.headroom > 0}
+        headroom = {g.name: g.headroom for g in policy.groups if g.headroom > 0}
+        if headroom != self._headroom:
+            for e in self.router.engines.values():
+                e.peaks.forget_late()  # the places kept for late classes were keyed by the old levels
+        self._headroom = headroom
         fixed = self.router.fixed_levels
         fixed.clear()
         fixed.update(g.headroom for g in policy.groups if g.headroom > 0 and g.min_share > 0)
@@ -112,8 +116,9 @@ class PoolCapacity:
         return self.router.choose(tokens, commit=False) is not None
 
     def reserve(self, ticket: Any) -> bool:
+        ticket.headroom = level = self._headroom.get(ticket.group, 0.0)  # the level its engine holds it at
         try:
-            ticket.placement = self.router.reserve(ticket, headroom=self._headroom.get(ticket.group, 0.0))
+            ticket.placement = self.router.reserve(ticket, headroom=level)
         except NoEngineFits:
             return False
         return True

@@ -187,7 +187,7 @@ class EnginePoller:
             )
         )
         engine.peak_inflight = engine.inflight  # the next step's peak starts from what runs now
-        engine.note_late(self._clock(), sample.late_level)  # a class's first tokens late here: the classes below leave more free
+        engine.note_late(self._clock(), sample.late_levels)  # a class's first tokens late here: the classes below leave more free
         engine.peaks.roll(self._clock(), engine.held)  # the classes' recent peaks, for their headroom
         if engine.capacity > before or self._demand():
             # the rooms are worked out anew at a step (the capacity, the classes' recent
