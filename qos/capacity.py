@@ -100,12 +100,16 @@ def occupied(inflight: int, held: dict[float, int], capacity: int, peaks: Recent
 
     Example: capacity 121, bronze (headroom 0.075, room 112) holding 119: occupied is
     112, so platinum (room 121) has 9 places, bronze none."""
-    excess = 0
-    for level, k in held.items():
-        if level > 0.0:
-            above = peaks.above(level) if peaks is not None else 0  # their peak, not what they run now
-            excess += max(0, k - room_for(capacity, level, above))
-    return inflight - excess
+    return inflight - sum(excess(level, k, capacity, peaks) for level, k in held.items() if level > 0.0)
+
+
+def excess(level: float, count: int, capacity: int, peaks: RecentPeaks | None = None) -> int:
+    """Requests a class at ``level`` (headroom) runs on an engine of ``capacity`` beyond
+    its own room there, ``count`` in flight: what it drains after a cut
+    (:func:`occupied`; the classes above counted at their recent peak, ``peaks``, not at
+    what they run now). 0 when within its room."""
+    above = peaks.above(level) if peaks is not None else 0
+    return max(0, count - room_for(capacity, level, above))
 
 
 class RecentPeaks:
@@ -183,7 +187,6 @@ class RecentPeaks:
         ``draining(level)``, whether the classes below ``level`` still run more than
         their room (the last step's effect is not in yet: no further step for it). Each
         late class's places are kept, grown and given back on their own."""
-        self._above = {}
         most = int(MAX_KEPT_SHARE * capacity)
         for level in levels:
             entry = self._late.get(level)

@@ -8,9 +8,9 @@ when it ends. Read once per control step with :meth:`sample`:
 
 * **time to first token** (TTFT): from dispatch (the ticket's ``admitted_at``) to the
   first output token, one sample per request whose first token came since the last step;
-  of those, the first tokens of requests whose class has a TTFT objective
-  (:attr:`qos.Ticket.ttft_target_s`), how many came later than that target, and the
-  classes they were late for: the engine runs more than those classes can afford, and
+  of those, the classes (:attr:`qos.Ticket.headroom`) of requests whose first token
+  came later than their class's TTFT objective (:attr:`qos.Ticket.ttft_target_s`): the
+  engine runs more than those classes can afford, and
   the classes below them leave more of it free (:meth:`qos.capacity.RecentPeaks.late`).
   Not judged: a resumed stream's later parts (its client's first token came in the
   first part) and a request moved here from another engine before it reached it (its
@@ -67,12 +67,9 @@ class MeterSample:
         awaiting: streams placed here that have not shown their first token yet (only
             streams say when their first token comes; a non-streaming request is silent
             until it ends).
-        objective_first: first tokens since the last step of requests whose class has
-            a TTFT objective.
-        late_first: of those, how many came later than the objective's target after
-            dispatch.
-        late_levels: the headrooms (:attr:`qos.Ticket.headroom`) of the classes of those
-            late ones.
+        late_levels: the headrooms (:attr:`qos.Ticket.headroom`) of the classes whose
+            first token came later than their TTFT objective after dispatch, since the
+            last step (the module docstring says which are not judged).
     """
 
     tpot_s: float | None
@@ -80,15 +77,13 @@ class MeterSample:
     ttft_s: tuple[float, ...]
     answered: int = 0
     awaiting: int = 0
-    objective_first: int = 0
-    late_first: int = 0
     late_levels: frozenset[float] = frozenset()
 
 
 class EngineMeter:
     """The latency measurements of one engine (see the module docstring)."""
 
-    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting", "_objective", "_late", "_late_levels", "_unjudged")
+    __slots__ = ("_streams", "_ttft", "_sampled_at", "_ended", "_answered", "_awaiting", "_late_levels", "_unjudged")
 
     def __init__(self) -> None:
         self._streams: dict[Any, _Stream] = {}
@@ -97,9 +92,7 @@ class EngineMeter:
         self._ttft: list[float] = []
         self._sampled_at: float | None = None
         self._ended: list[float] = []  # per-token times of streams that ended since the last step
-        self._objective = 0  # first tokens of requests with a TTFT objective, since the last step
-        self._late = 0  # of those, later than the objective after dispatch
-        self._late_levels: set[float] = set()  # their classes (headrooms)
+        self._late_levels: set[float] = set()  # classes (headrooms) with a first token later than their objective
         self._unjudged: set[Any] = set()  # moved here from another engine before a first token: not judged
 
     def moved(self, ticket: Any) -> None:
@@ -127,11 +120,8 @@ class EngineMeter:
                 if len(self._ttft) < 4096:
                     self._ttft.append(ttft)
                 target = ticket.ttft_target_s
-                if target is not None and not ticket.resuming and not (self._unjudged and ticket in self._unjudged):
-                    self._objective += 1
-                    if ttft > target:
-                        self._late += 1
-                        self._late_levels.add(ticket.headroom)
+                if target is not None and ttft > target and not ticket.resuming and not (self._unjudged and ticket in self._unjudged):
+                    self._late_levels.add(ticket.headroom)
             self._unjudged.discard(ticket)
             self._streams[ticket] = _Stream(output_tokens, now, output_tokens, now)
         elif output_tokens > st.n:
@@ -176,18 +166,17 @@ class EngineMeter:
         self._ended = []
         ttft, self._ttft = tuple(self._ttft), []
         answered, self._answered = self._answered, 0
-        objective, late, self._objective, self._late = self._objective, self._late, 0, 0
         late_levels, self._late_levels = frozenset(self._late_levels), set()
         if self._unjudged:
             self._unjudged = {t for t in self._unjudged if t.state is TicketState.ADMITTED}  # an end never reported
         self._awaiting = {t for t in self._awaiting if t.state is TicketState.ADMITTED}  # an end never reported
         awaiting = len(self._awaiting)
         if not rates:
-            return MeterSample(None, 0, ttft, answered, awaiting, objective, late, late_levels)
+            return MeterSample(None, 0, ttft, answered, awaiting, late_levels)
         rates.sort()
         mid = len(rates) // 2
         median = rates[mid] if len(rates) % 2 else 0.5 * (rates[mid - 1] + rates[mid])
-        return MeterSample(median, len(rates), ttft, answered, awaiting, objective, late, late_levels)
+        return MeterSample(median, len(rates), ttft, answered, awaiting, late_levels)
 
     @property
     def streams(self) -> int:

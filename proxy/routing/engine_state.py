@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Collection
 
-from qos.capacity import RecentPeaks, occupied, room_for
+from qos.capacity import RecentPeaks, excess, occupied, room_for
 from qos.capacity_control import CapacityController
 from qos.capacity_control import fixed as fixed_capacity
 
@@ -227,7 +227,7 @@ class EngineState:
         held = self.held
 
         def draining(level: float) -> bool:
-            return any(k > room_for(cap, lv, peaks.above(lv)) for lv, k in held.items() if lv > level)
+            return any(excess(lv, k, cap, peaks) for lv, k in held.items() if lv > level)
 
         peaks.late(now, levels, cap, draining)
 
